@@ -1,0 +1,129 @@
+"""The `staticlm` command: export, generate, chat."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="exported model directory (default: the embedded SmolLM2)")
+    p.add_argument("--device", default="auto", help="auto, cpu or htp (Qualcomm NPU through QNN)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--soc-model", default=None, help="QNN SoC model for htp (default 57, Snapdragon 8 Gen 3)")
+    p.add_argument("--kv-strategy", default="pointer", help="pointer (default), shift, concat or bmc")
+    p.add_argument("--kv-reserve", type=float, default=2.0, help="KV buffer rows as a multiple of S-1 (default 2.0)")
+    p.add_argument("--on-overflow", default="error", help="when the context is full: error or slide")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep decoding to --max-new-tokens (benchmarks)")
+    p.add_argument("--system", default=None, help="system prompt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="staticlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="export a model to a static-shape ONNX graph family")
+    e.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file, a HF checkpoint dir or hub id")
+    e.add_argument("--context", default=None, help="context sizes, e.g. 256,512,1024,2048")
+    e.add_argument("--prefill-len", type=int, default=None, help="AR of the prefill/verify graph (default 64)")
+    e.add_argument("--out", type=Path, default=None, help="output directory")
+    e.add_argument("--quiet", action="store_true")
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", dest="chat", action="store_true", default=True, help="wrap the prompt in the chat template (default)")
+    g.add_argument("--no-chat", dest="chat", action="store_false")
+    g.add_argument("--json", action="store_true", help="print one JSON object with the tokens and timings")
+    _add_run_options(g)
+    _add_sampling_options(g)
+    c = sub.add_parser("chat", help="chat in the terminal")
+    _add_run_options(c)
+    _add_sampling_options(c)
+    return parser
+
+
+def _run_options(args):
+    from .common import RunOptions
+
+    return RunOptions(model_dir=args.model, device=args.device, num_threads=args.threads, soc_model=args.soc_model,
+                      kv_strategy=args.kv_strategy, kv_reserve=args.kv_reserve, overflow=args.on_overflow)
+
+
+def _generation_params(args):
+    from staticlm.runtime.generator import GenerationParams
+    from staticlm.runtime.sampling import SamplingParams
+
+    return GenerationParams(
+        max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos,
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed))
+
+
+def dispatch(args) -> int:
+    if args.command == "export":
+        from .cmd_export import run_export
+        from .common import DEFAULT_MODEL, default_model_dir
+
+        out = args.out or (default_model_dir() if args.model == DEFAULT_MODEL else Path(Path(args.model).stem + "-staticlm"))
+        run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len, quiet=args.quiet)
+        return 0
+    if args.command == "generate":
+        from .cmd_generate import run_generate
+
+        run_generate(prompt=args.prompt, run=_run_options(args), params=_generation_params(args), chat=args.chat,
+                     system_prompt=args.system, as_json=args.json)
+        return 0
+    if args.command == "chat":
+        from .terminal_chat import run_chat
+
+        return run_chat(run=_run_options(args), params=_generation_params(args), system_prompt=args.system)
+    raise AssertionError(args.command)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from staticlm.export.config import UnsupportedModel
+    from staticlm.export.family import ExportError
+    from staticlm.export.manifest import ManifestError
+    from staticlm.export.sources import ModelSourceError
+    from staticlm.kv_manager import ContextFull
+    from staticlm.runtime.device import DeviceError
+
+    from .common import UserError
+
+    return (UserError, ManifestError, ModelSourceError, UnsupportedModel, ExportError, DeviceError, ContextFull,
+            ValueError, OSError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return dispatch(args)
+    except KeyboardInterrupt:
+        print("\nstaticlm: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        from .cmd_generate import Interrupted
+
+        if isinstance(e, Interrupted):
+            print(f"\nstaticlm: {e}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if isinstance(e, _user_errors()):
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"staticlm: error: {message}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

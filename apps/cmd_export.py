@@ -1,0 +1,43 @@
+"""`staticlm export`"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from staticlm.export.family import DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, ExportOptions, export_family, num_steps
+from staticlm.export.sources import load_model
+
+
+def parse_contexts(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return DEFAULT_CONTEXTS
+    try:
+        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"--context takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 2:
+        raise ValueError(f"--context sizes must be integers >= 2, got {text!r}")
+    return values
+
+
+def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | None,
+               prefill_len: int | None, quiet: bool = False) -> Path:
+    ctx = contexts if isinstance(contexts, tuple) else parse_contexts(contexts)
+    options = ExportOptions(contexts=ctx, prefill_len=prefill_len or DEFAULT_PREFILL_LEN)
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), disable=quiet, transient=False) as progress:
+        task = progress.add_task(f"reading {model}", total=num_steps(options) + 1)
+        loaded = load_model(model)
+        progress.update(task, advance=1, description="writing weights")
+
+        def step(name: str) -> None:
+            progress.update(task, advance=1, description=f"wrote {name}")
+
+        manifest = export_family(loaded, out_dir, options=options, on_step=step)
+    if not quiet:
+        names = ", ".join(g.name for g in manifest.graphs)
+        print(f"exported {len(manifest.graphs)} graphs ({names}) to {out_dir} in {time.perf_counter() - t0:.1f} s")
+    return Path(out_dir)

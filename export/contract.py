@@ -1,0 +1,96 @@
+"""The graph I/O contract, declared once as data.
+
+The exporter builds graphs from it, the manifest records it and the runtime binds
+by it; nobody spells a tensor name or shape anywhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .config import ModelConfig
+
+
+class KVLayout(str, Enum):
+    PER_HEAD = "per_head"  # one [B, 1, P, D] tensor per (layer, KV head, K|V)
+
+
+class Role(str, Enum):
+    INPUT_IDS = "input_ids"
+    ROPE_COS = "rope_cos"
+    ROPE_SIN = "rope_sin"
+    ATTENTION_BIAS = "attention_bias"
+    PAST_KEY = "past_key"
+    PAST_VALUE = "past_value"
+    LOGITS = "logits"
+    NEW_KEY = "new_key"
+    NEW_VALUE = "new_value"
+
+
+KV_INPUT_ROLES = (Role.PAST_KEY, Role.PAST_VALUE)
+KV_OUTPUT_ROLES = (Role.NEW_KEY, Role.NEW_VALUE)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    role: Role
+    dtype: str  # numpy dtype name
+    shape: tuple[int, ...]
+    layer: int | None = None
+    kv_head: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "role": self.role.value, "dtype": self.dtype,
+                "shape": list(self.shape), "layer": self.layer, "kv_head": self.kv_head}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorSpec":
+        return cls(name=d["name"], role=Role(d["role"]), dtype=d["dtype"],
+                   shape=tuple(int(x) for x in d["shape"]), layer=d.get("layer"),
+                   kv_head=d.get("kv_head"))
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """Static shape of one family member: AR new tokens over a past window of P rows."""
+
+    batch: int
+    ar: int
+    past_len: int
+
+    @property
+    def context(self) -> int:
+        return self.past_len + self.ar
+
+
+def kv_name(role: Role, layer: int, kv_head: int) -> str:
+    return f"{role.value}_{layer}_h{kv_head}"
+
+
+def kv_tensor_index(*, layer: int, kv_head: int, is_value: bool, num_kv_heads: int) -> int:
+    """Position of a KV tensor in the kv_manager's tensor list: (layer, head, K then V)."""
+    return (layer * num_kv_heads + kv_head) * 2 + int(is_value)
+
+
+def num_kv_tensors(config: ModelConfig) -> int:
+    return 2 * config.num_layers * config.num_kv_heads
+
+
+def graph_io(config: ModelConfig, shape: GraphShape, *, kv_dtype: str = "float32",
+             float_dtype: str = "float32") -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Inputs and outputs of one graph, KV tensors in kv_tensor_index order."""
+    b, ar, p, d = shape.batch, shape.ar, shape.past_len, config.head_dim
+    inputs = [
+        TensorSpec("input_ids", Role.INPUT_IDS, "int64", (b, ar)),
+        TensorSpec("rope_cos", Role.ROPE_COS, float_dtype, (b, 1, ar, d)),  # [B, 1, AR, D]
+        TensorSpec("rope_sin", Role.ROPE_SIN, float_dtype, (b, 1, ar, d)),  # [B, 1, AR, D]
+        TensorSpec("attention_bias", Role.ATTENTION_BIAS, float_dtype, (b, 1, ar, p + ar)),  # [B, 1, AR, P+AR]
+    ]
+    outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, ar, config.vocab_size))]  # [B, AR, V]
+    for layer in range(config.num_layers):
+        for h in range(config.num_kv_heads):
+            for past, new in ((Role.PAST_KEY, Role.NEW_KEY), (Role.PAST_VALUE, Role.NEW_VALUE)):
+                inputs.append(TensorSpec(kv_name(past, layer, h), past, kv_dtype, (b, 1, p, d), layer, h))  # [B, 1, P, D]
+                outputs.append(TensorSpec(kv_name(new, layer, h), new, kv_dtype, (b, 1, ar, d), layer, h))  # [B, 1, AR, D]
+    return tuple(inputs), tuple(outputs)

@@ -1,0 +1,107 @@
+"""Export a graph family: decode + prefill/verify graphs for a ladder of context sizes, one weight file."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from .contract import GraphShape, graph_io
+from .llama_graph import LlamaGraph, write_weights
+from .manifest import GraphEntry, GraphKind, Manifest, SpecialTokens, file_sha256
+from .sources import LoadedModel
+from .weight_file import WeightFileWriter
+
+WEIGHTS_FILE = "weights.bin"
+TOKENIZER_FILE = "tokenizer.json"
+DEFAULT_CONTEXTS = (256, 512, 1024, 2048)
+DEFAULT_PREFILL_LEN = 64
+
+
+class ExportError(ValueError):
+    """Options that cannot produce a valid family."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    prefill_len: int = DEFAULT_PREFILL_LEN
+    batch: int = 1
+
+    def validate(self, max_positions: int) -> None:
+        if not self.contexts:
+            raise ExportError("at least one context size is needed")
+        if self.prefill_len < 2:
+            raise ExportError(f"--prefill-len must be at least 2, got {self.prefill_len}")
+        for s in self.contexts:
+            if s <= self.prefill_len:
+                raise ExportError(f"context {s} must be larger than the prefill length {self.prefill_len}")
+            if s > max_positions:
+                raise ExportError(f"context {s} exceeds the model's {max_positions} positions")
+        if self.batch < 1:
+            raise ExportError(f"batch must be >= 1, got {self.batch}")
+
+    def shapes(self) -> list[tuple[str, GraphKind, GraphShape]]:
+        out = []
+        for s in sorted(set(self.contexts)):
+            out.append((f"decode_s{s}", GraphKind.DECODE, GraphShape(self.batch, 1, s - 1)))
+            out.append((f"prefill_s{s}_ar{self.prefill_len}", GraphKind.PREFILL,
+                        GraphShape(self.batch, self.prefill_len, s - self.prefill_len)))
+        return out
+
+
+def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions = ExportOptions(),
+                  on_step: Callable[[str], None] | None = None) -> Manifest:
+    """Write the family into out_dir atomically: a failed export leaves an existing out_dir untouched."""
+    config = model.config
+    options.validate(config.max_positions)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    step = on_step or (lambda _name: None)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        writer = WeightFileWriter(work / WEIGHTS_FILE)
+        write_weights(config, model.weights, writer)
+        weights_bytes, weights_sha = writer.close()
+        step("weights")
+        entries = []
+        for name, kind, shape in options.shapes():
+            proto = LlamaGraph(config, shape, weights=writer).build(name)
+            onnx.save_model(proto, work / f"{name}.onnx")
+            inputs, outputs = graph_io(config, shape)
+            entries.append(GraphEntry(name=name, file=f"{name}.onnx", kind=kind, shape=shape, inputs=inputs,
+                                      outputs=outputs, sha256=file_sha256(work / f"{name}.onnx")))
+            step(name)
+        (work / TOKENIZER_FILE).write_text(model.tokenizer_json)
+        manifest = Manifest(
+            model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
+            weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
+            special_tokens=SpecialTokens(bos_token_id=model.bos_token_id, eos_token_ids=tuple(model.eos_token_ids),
+                                         bos_token=model.bos_token, eos_token=model.eos_token,
+                                         add_bos_token=model.add_bos_token),
+            source=model.source)
+        manifest.save(work)
+        step("manifest")
+        _replace_dir(work, out_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return manifest
+
+
+def num_steps(options: ExportOptions) -> int:
+    return len(options.shapes()) + 2
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    if target.exists():
+        old = target.with_name(f".{target.name}.old.{os.getpid()}")
+        target.rename(old)
+        new.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(target)

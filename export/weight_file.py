@@ -1,0 +1,76 @@
+"""One external weight file shared by every graph of a family."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+# 64 KiB is the mmap allocation granularity on Windows (4 KiB elsewhere); aligned
+# offsets let ONNX Runtime map weights instead of reading them into its own heap.
+ALIGNMENT = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ExternalTensor:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+
+class WeightFileWriter:
+    """Appends arrays to `path` at aligned offsets and hands out TensorProtos that point at them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file = open(self.path, "wb")
+        self._tensors: dict[str, ExternalTensor] = {}
+        self._hash = hashlib.sha256()
+
+    def add(self, name: str, array: np.ndarray) -> ExternalTensor:
+        if name in self._tensors:
+            raise ValueError(f"weight {name!r} written twice")
+        array = np.ascontiguousarray(array)
+        pad = (-self._file.tell()) % ALIGNMENT
+        if pad:
+            self._write(b"\0" * pad)
+        offset = self._file.tell()
+        self._write(array.tobytes())
+        entry = ExternalTensor(name, array.dtype, tuple(array.shape), offset, array.nbytes)
+        self._tensors[name] = entry
+        return entry
+
+    def _write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+
+    def close(self) -> tuple[int, str]:
+        """Returns (size in bytes, sha256 hex)."""
+        size = self._file.tell()
+        self._file.close()
+        return size, self._hash.hexdigest()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def proto(self, name: str) -> onnx.TensorProto:
+        t = self._tensors[name]
+        tensor = onnx.TensorProto()
+        tensor.name = t.name
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(t.dtype)
+        tensor.dims.extend(t.shape)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(t.offset)), ("length", str(t.length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        return tensor
+
+
+def inline_tensor(name: str, array: np.ndarray) -> onnx.TensorProto:
+    """Small constants (shapes, split sizes) live inside each graph file."""
+    return numpy_helper.from_array(np.asarray(array), name)

@@ -1,0 +1,143 @@
+"""The bookkeeping every strategy shares: lengths, positions, windows, slots, overflow.
+
+All strategies keep KV in one array per cache, laid out [T, B, rows, D] (T = one tensor per
+layer x KV head x K/V). A sequence's valid rows are `rows[end - length : end]`; a graph with
+past length P reads the window `rows[end - P : end]` (left padding included) and writes its AR
+new rows into the slot `rows[end : end + AR]`. Strategies differ only in how they make room.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import ContextFull, KVSpec, KVStats, Overflow
+
+
+class KVCache:
+    def __init__(self, spec: KVSpec) -> None:
+        self.spec = spec
+        self.stats = KVStats()
+        self.lengths = np.zeros(spec.batch, np.int64)  # [B] valid rows
+        self._num_dropped = np.zeros(spec.batch, np.int64)  # [B] rows the slide policy forgot
+        self._prepared_ar = 0
+        self._set_buffer(self._new_buffer(self._initial_rows()))
+        self.ends = np.full(spec.batch, self._initial_end(), np.int64)  # [B] one past the last valid row
+
+    # -- strategy hooks ------------------------------------------------------------------
+    def _initial_rows(self) -> int:
+        raise NotImplementedError
+
+    def _initial_end(self) -> int:
+        return self.spec.max_past
+
+    def _make_room(self, past_len: int, ar: int) -> None:
+        """Ensure every sequence has P rows before `end` and AR rows after it."""
+        raise NotImplementedError
+
+    def _after_advance(self, n: np.ndarray) -> None:
+        pass
+
+    def _after_truncate(self, seq: int, num_removed: int) -> None:
+        pass
+
+    # -- buffers ---------------------------------------------------------------------------
+    def _new_buffer(self, rows: int) -> np.ndarray:
+        s = self.spec
+        # Zeros, not empty: padding rows are masked, but uninitialised bytes may hold NaN, and NaN * 0 is NaN.
+        buf = np.zeros((s.num_tensors, s.batch, rows, s.head_dim), s.dtype)  # [T, B, rows, D]
+        self.stats.num_allocations += 1
+        return buf
+
+    def _set_buffer(self, buf: np.ndarray) -> None:
+        self._buf = buf
+        s0, s1, self._row_stride, _ = buf.strides
+        t, b = np.meshgrid(np.arange(buf.shape[0]), np.arange(buf.shape[1]), indexing="ij")
+        self._tb_addresses = buf.ctypes.data + t * s0 + b * s1  # [T, B] address of row 0
+        self.stats.reserved_bytes = buf.nbytes
+
+    def _move_rows(self, seq: int, *, src: int, dst: int, num_rows: int, into: np.ndarray | None = None) -> None:
+        """One copy of num_rows rows of every tensor of one sequence (the only way KV is ever copied)."""
+        target = self._buf if into is None else into
+        if num_rows > 0 and (src != dst or into is not None):
+            target[:, seq, dst:dst + num_rows] = self._buf[:, seq, src:src + num_rows]
+            self.stats.copied_rows += num_rows
+            self.stats.copied_bytes += num_rows * self.spec.num_tensors * self.spec.head_dim * self.spec.itemsize
+
+    @property
+    def capacity(self) -> int:
+        return self._buf.shape[2]
+
+    # -- the interface the runtime uses ------------------------------------------------------
+    @property
+    def positions(self) -> np.ndarray:
+        """[B] absolute position of each sequence's next token (slid-out tokens still count)."""
+        return self._num_dropped + self.lengths
+
+    def prepare(self, *, past_len: int, ar: int) -> None:
+        """Get windows of past_len rows and slots of ar rows ready; apply the overflow policy."""
+        s = self.spec
+        if not 1 <= past_len <= s.max_past or not 1 <= ar <= s.max_ar:
+            raise ValueError(f"window {past_len}+{ar} outside the spec ({s.max_past}+{s.max_ar})")
+        over = self.lengths > past_len
+        if over.any():
+            if s.overflow is Overflow.ERROR:
+                raise ContextFull(f"context full: {int(self.lengths.max())} tokens cached, the window holds "
+                                  f"{past_len}; export larger contexts or use the slide overflow policy")
+            self._num_dropped += np.where(over, self.lengths - past_len, 0)
+            self.lengths = np.minimum(self.lengths, past_len)
+        if (self.positions >= s.max_positions).any():
+            raise ContextFull(f"context full: the model knows {s.max_positions} positions")
+        self._make_room(past_len, ar)
+        self._prepared_ar = ar
+
+    def window(self, tensor: int, seq: int, past_len: int) -> np.ndarray:
+        """[1, 1, P, D] view: the graph's past input for one tensor and sequence."""
+        end = int(self.ends[seq])
+        return self._buf[tensor, seq, end - past_len:end][None, None]
+
+    def slot(self, tensor: int, seq: int, ar: int) -> np.ndarray:
+        """[1, 1, AR, D] view: where the graph writes its new rows."""
+        end = int(self.ends[seq])
+        return self._buf[tensor, seq, end:end + ar][None, None]
+
+    def window_addresses(self, past_len: int) -> np.ndarray:
+        """[T, B] int64 addresses of every window, for the binding table."""
+        return self._tb_addresses + (self.ends - past_len) * self._row_stride
+
+    def slot_addresses(self, ar: int) -> np.ndarray:
+        """[T, B] int64 addresses of every slot."""
+        return self._tb_addresses + self.ends * self._row_stride
+
+    def advance(self, n) -> None:
+        """Commit the first n rows of each slot (n <= AR; an int or one per sequence)."""
+        n = np.broadcast_to(np.asarray(n, np.int64), self.lengths.shape)
+        if (n < 0).any() or (n > self._prepared_ar).any():
+            raise ValueError(f"advance({n.tolist()}) outside the prepared {self._prepared_ar} rows")
+        if (self.positions + n > self.spec.max_positions).any():
+            raise ContextFull(f"context full: the model knows {self.spec.max_positions} positions")
+        self.lengths = self.lengths + n
+        self.ends = self.ends + n
+        self._prepared_ar = 0
+        self._after_advance(n)
+
+    def truncate(self, length: int, seq: int | None = None) -> None:
+        """Keep the first `length` cached rows of a sequence (all sequences if seq is None)."""
+        for b in range(self.spec.batch) if seq is None else (seq,):
+            current = int(self.lengths[b])
+            if not 0 <= length <= current:
+                raise ValueError(f"cannot truncate sequence {b} from {current} to {length} rows")
+            removed = current - length
+            self.lengths[b] = length
+            self.ends[b] -= removed
+            self._after_truncate(b, removed)
+        self._prepared_ar = 0
+
+    def reset(self) -> None:
+        self.lengths[:] = 0
+        self._num_dropped[:] = 0
+        self.ends[:] = self._initial_end()
+        self._prepared_ar = 0
+
+    def valid_rows(self, tensor: int, seq: int) -> np.ndarray:
+        """[length, D] view of the committed rows (for tests and inspection)."""
+        end = int(self.ends[seq])
+        return self._buf[tensor, seq, end - int(self.lengths[seq]):end]

@@ -1,0 +1,140 @@
+"""The model runner: prefill and decode over a graph family, KV in the kv_manager's buffers."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from staticlm.export.contract import num_kv_tensors
+from staticlm.export.manifest import GraphEntry, GraphKind, Manifest, load_manifest
+from staticlm.kv_manager import KVSpec, Overflow, Strategy, attention_bias, make_kv_cache
+
+from .device import Device, DeviceOptions, create_session, resolve_device
+from .graph_runner import GraphRunner
+from .rope import RopeTable
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: DeviceOptions = field(default_factory=DeviceOptions)
+    kv_strategy: Strategy = Strategy.POINTER
+    kv_reserve: float = 2.0
+    overflow: Overflow = Overflow.ERROR
+    bmc_r: int | None = None
+
+
+@dataclass
+class StepCounters:
+    num_prefill_tokens: int = 0
+    num_decode_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+class Engine:
+    """Owns the sessions (created lazily, per rung) and one KV cache for one sequence."""
+
+    def __init__(self, model_dir: str | Path, *, options: EngineOptions = EngineOptions()) -> None:
+        self.model_dir = Path(model_dir)
+        self.manifest: Manifest = load_manifest(self.model_dir)
+        self.options = options
+        self.device = resolve_device(options.device.device)
+        cfg = self.manifest.model
+        self.config = cfg
+        self._decode = self.manifest.graphs_of(GraphKind.DECODE)
+        self._prefill = self.manifest.graphs_of(GraphKind.PREFILL)
+        if not self._decode:
+            raise ValueError(f"{self.model_dir} has no decode graph")
+        self.max_context = self._decode[-1].shape.context
+        self.prefill_len = self._prefill[0].shape.ar if self._prefill else 1
+        self.kv = make_kv_cache(
+            KVSpec(num_tensors=num_kv_tensors(cfg), head_dim=cfg.head_dim, dtype=self.manifest.kv_dtype,
+                   max_past=self._decode[-1].shape.past_len, max_ar=max(self.prefill_len, 1),
+                   max_positions=cfg.max_positions, reserve=options.kv_reserve, overflow=options.overflow),
+            options.kv_strategy, bmc_r=options.bmc_r)
+        self.rope = RopeTable(head_dim=cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.max_positions)
+        self._runners: dict[str, GraphRunner] = {}
+        self.counters = StepCounters()
+
+    # -- graphs -------------------------------------------------------------------------
+    def runner(self, entry: GraphEntry) -> GraphRunner:
+        if entry.name not in self._runners:
+            session = create_session(self.model_dir / entry.file, device=self.device,
+                                     options=self.options.device, cache_dir=self.model_dir / ".qnn_cache")
+            self._runners[entry.name] = GraphRunner(session, entry, num_kv_heads=self.config.num_kv_heads)
+        return self._runners[entry.name]
+
+    def load_all(self) -> None:
+        for entry in self.manifest.graphs:
+            self.runner(entry)
+
+    @staticmethod
+    def _rung(graphs: tuple[GraphEntry, ...], num_valid: int) -> GraphEntry:
+        """The context ladder: the smallest past window that holds every valid row."""
+        for entry in graphs:
+            if entry.shape.past_len >= num_valid:
+                return entry
+        return graphs[-1]  # the kv_manager's overflow policy decides (slide or ContextFull)
+
+    # -- steps --------------------------------------------------------------------------
+    @property
+    def num_cached(self) -> int:
+        return int(self.kv.lengths[0])
+
+    def _step(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
+        """Run AR rows (len(tokens) <= AR real ones, the rest padding); commit the real ones."""
+        shape, num_real = entry.shape, len(tokens)
+        self.kv.prepare(past_len=shape.past_len, ar=shape.ar)
+        run = self.runner(entry)
+        run.input_ids[0, :num_real] = tokens
+        run.input_ids[0, num_real:] = 0
+        positions = self.kv.positions[:, None] + np.arange(shape.ar)  # [B, AR]
+        self.rope.fill(positions, cos_out=run.rope_cos, sin_out=run.rope_sin)
+        run.attention_bias[...] = attention_bias(lengths=self.kv.lengths, past_len=shape.past_len, ar=shape.ar)
+        run.bind_kv(self.kv.window_addresses(shape.past_len), self.kv.slot_addresses(shape.ar))
+        run.run()
+        self.kv.advance(num_real)
+        return run.logits[0, num_real - 1]
+
+    def prefill(self, token_ids) -> np.ndarray:
+        """Append tokens to the cache in prefill-graph chunks; returns the last token's logits [V]."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size == 0:
+            raise ValueError("nothing to prefill: the prompt is empty")
+        t0 = time.perf_counter()
+        logits = None
+        start = 0
+        while start < ids.size:
+            rest = ids.size - start
+            if rest == 1 or not self._prefill:
+                logits = self._step(self._rung(self._decode, self.num_cached), ids[start:start + 1])
+                start += 1
+                continue
+            entry = self._rung(self._prefill, self.num_cached)
+            chunk = ids[start:start + entry.shape.ar]
+            logits = self._step(entry, chunk)
+            start += chunk.size
+        self.counters.num_prefill_tokens += ids.size
+        self.counters.prefill_seconds += time.perf_counter() - t0
+        return logits
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """One token in, next-token logits [V] out."""
+        t0 = time.perf_counter()
+        logits = self._step(self._rung(self._decode, self.num_cached), np.array([token_id], np.int64))
+        self.counters.num_decode_steps += 1
+        self.counters.decode_seconds += time.perf_counter() - t0
+        return logits
+
+    def truncate(self, num_tokens: int) -> None:
+        """Rewind the cache to its first num_tokens rows (no re-prefill of what stays)."""
+        self.kv.truncate(num_tokens)
+
+    def reset(self) -> None:
+        self.kv.reset()
+
+    @property
+    def device_name(self) -> str:
+        return self.device.value

@@ -1,0 +1,188 @@
+"""Token-level generation over an Engine, with onnxruntime-genai's ergonomics.
+
+`tokens` mirrors exactly what the KV cache holds, so a caller can rewind to any
+point (regenerate, edit a turn) and only ever prefill what is new.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from .engine import Engine
+from .sampling import SamplingParams, sample
+from .stopping import StopStringMatcher
+from .detokenizer import StreamDecoder
+from .tokenizer import Tokenizer
+
+
+class FinishReason(str, Enum):
+    EOS = "eos"
+    STOP_STRING = "stop_string"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int  # tokens prefilled for this request (the cached prefix is not counted)
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+class Generator:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.tokens: list[int] = []  # exactly the rows in the KV cache, in order
+        self._pending: int | None = None  # sampled, returned, not yet run through the model
+        self._logits: np.ndarray | None = None  # [V] next-token logits after `tokens`
+        self._rng = np.random.default_rng()
+        self.dropped: list[int] = []  # tokens the slide policy pushed out of the front of the cache
+
+    # -- the genai-style primitives -------------------------------------------------------
+    def append_tokens(self, ids) -> None:
+        ids = [int(t) for t in ids]
+        if self._pending is not None:
+            ids.insert(0, self._pending)
+            self._pending = None
+        if not ids:
+            raise ValueError("nothing to append: the prompt is empty")
+        num_before = len(self.tokens)
+        try:
+            self._logits = self.engine.prefill(ids).copy()
+        except BaseException:
+            # A failed or interrupted prefill must leave the cache exactly as the token list says.
+            self.engine.truncate(min(num_before, self.engine.num_cached))
+            self._logits = None
+            raise
+        self.tokens.extend(ids)
+        self._sync_slide()
+
+    def generate_next_token(self, params: SamplingParams = SamplingParams()) -> int:
+        if self._pending is not None:
+            self._logits = self.engine.decode(self._pending).copy()
+            self.tokens.append(self._pending)
+            self._pending = None
+            self._sync_slide()
+        if self._logits is None:
+            raise RuntimeError("append tokens before generating")
+        token = sample(self._logits, params, rng=self._rng, history=self.tokens)
+        self._pending = token
+        return token
+
+    def _sync_slide(self) -> None:
+        """Under the slide policy the cache dropped its oldest rows; drop them from the list too."""
+        num_dropped = len(self.tokens) - self.engine.num_cached
+        if num_dropped > 0:
+            self.dropped.extend(self.tokens[:num_dropped])
+            del self.tokens[:num_dropped]
+
+    def rewind_to(self, num_tokens: int) -> None:
+        """Keep the first num_tokens cached tokens; anything after is forgotten without a copy."""
+        num_tokens = max(0, min(num_tokens, len(self.tokens)))
+        self.engine.truncate(num_tokens)
+        del self.tokens[num_tokens:]
+        self._pending, self._logits = None, None
+
+    def reset(self) -> None:
+        self.engine.reset()
+        self.tokens.clear()
+        self.dropped.clear()
+        self._pending, self._logits = None, None
+
+    def seed(self, seed: int | None) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    # -- whole requests ---------------------------------------------------------------------
+    def sync_prefix(self, ids: list[int]) -> list[int]:
+        """Rewind to the longest cached prefix of `ids`; return what is left to prefill (never empty)."""
+        if self.dropped:
+            if ids[:len(self.dropped)] != self.dropped:
+                self.reset()  # the conversation changed inside the part that slid out: start over
+            else:
+                ids = ids[len(self.dropped):]
+        cached = self.tokens + ([self._pending] if self._pending is not None else [])
+        common = 0
+        for a, b in zip(cached, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # at least one token must run to give fresh logits
+        if common > len(self.tokens):  # the pending token starts the new part: append_tokens feeds it
+            return ids[common:]
+        if common < len(self.tokens):
+            self.rewind_to(common)
+        self._pending = None
+        return ids[common:]
+
+    def stream(self, prompt_ids: list[int], params: GenerationParams, *,
+               should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
+        """Yields text chunks; the summary is in `self.last_result` afterwards."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if params.sampling.seed is not None:
+            self.seed(params.sampling.seed)
+        t0 = time.perf_counter()
+        todo = self.sync_prefix(list(prompt_ids))
+        self.append_tokens(todo)
+        t_prefill = time.perf_counter() - t0
+        decoder, stopper = StreamDecoder(self.tokenizer), StopStringMatcher(params.stop_strings)
+        eos = set(self.tokenizer.eos_token_ids)
+        out_ids: list[int] = []
+        pieces: list[str] = []
+        reason, ttft, t_first = FinishReason.LENGTH, 0.0, 0.0
+        while len(out_ids) < params.max_new_tokens:
+            if should_stop():
+                reason = FinishReason.CANCELLED
+                break
+            token = self.generate_next_token(params.sampling)
+            if not out_ids:
+                t_first = time.perf_counter()
+                ttft = t_first - t0
+            out_ids.append(token)
+            if token in eos and not params.ignore_eos:
+                reason = FinishReason.EOS
+                break
+            text, stopped = stopper.push(decoder.push(token))
+            if text:
+                pieces.append(text)
+                yield text
+            if stopped:
+                reason = FinishReason.STOP_STRING
+                break
+        if reason in (FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.EOS):
+            tail, _ = stopper.push(decoder.flush())
+            tail += stopper.flush()
+            if tail:
+                pieces.append(tail)
+                yield tail
+        num_decoded = max(len(out_ids) - 1, 0)
+        decode_time = time.perf_counter() - t_first if out_ids else 0.0
+        self.last_result = GenerationResult(
+            token_ids=out_ids, text="".join(pieces), finish_reason=reason, prompt_tokens=len(todo), ttft_s=ttft,
+            prefill_tok_s=len(todo) / t_prefill if t_prefill > 0 else 0.0,
+            decode_tok_s=num_decoded / decode_time if decode_time > 0 else 0.0)
+
+    def generate(self, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
+        for _ in self.stream(prompt_ids, params):
+            pass
+        return self.last_result

@@ -1,0 +1,95 @@
+"""Next-token sampling over one row of logits, numpy only.
+
+The order of the warpers follows transformers' defaults (temperature, top-k, top-p, min-p), so a
+seeded run here and there filter the same candidate set.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Messages name the CLI option, because that is where a bad value almost always comes from.
+        checks = (
+            (self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}"),
+            (0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p < 1, f"--min-p must be in [0, 1), got {self.min_p}"),
+            (self.repetition_penalty > 0, f"--repetition-penalty must be > 0, got {self.repetition_penalty}"),
+        )
+        for ok, message in checks:
+            if not ok:  # also catches NaN, for which every comparison is False
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def greedy(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
+
+
+def _penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
+    """CTRL-style penalty (as transformers' RepetitionPenaltyLogitsProcessor): once per distinct token."""
+    out = np.array(logits, dtype=np.float64)  # a copy: the caller's logits must stay untouched
+    ids = np.unique(np.asarray(history, dtype=np.int64))
+    ids = ids[(ids >= 0) & (ids < out.shape[0])]
+    seen = out[ids]
+    out[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    return out
+
+
+def sample(logits: np.ndarray, params: SamplingParams, *, rng: np.random.Generator,
+           history: Sequence[int] = ()) -> int:
+    """Pick the next token from logits [V]; pure apart from drawing from `rng`."""
+    logits = np.asarray(logits).reshape(-1)
+    if params.repetition_penalty != 1.0 and len(history):
+        scores = _penalize(logits, history, params.repetition_penalty)
+    else:
+        scores = logits.astype(np.float64)  # astype copies, so later in-place work is safe
+    if params.is_greedy:
+        return greedy(scores)
+    scores /= params.temperature
+    vocab = scores.shape[0]
+    if 0 < params.top_k < vocab:
+        # argpartition is O(V); only the k survivors are ever sorted.
+        candidates = np.sort(np.argpartition(scores, vocab - params.top_k)[vocab - params.top_k:])
+    else:
+        candidates = np.arange(vocab)
+    values = scores[candidates]
+    top = values.max()
+    if not np.isfinite(top):  # everything masked to -inf (or NaN): nothing to sample from
+        return greedy(scores)
+    if params.top_p < 1.0 or len(candidates) < vocab:
+        order = np.argsort(-values, kind="stable")  # ties: lower token id first, as argmax
+        candidates, values = candidates[order], values[order]
+    probs = np.exp(values - top)  # stable softmax: the largest exponent is 0
+    probs /= probs.sum()
+    keep = len(probs)
+    if params.top_p < 1.0:
+        # The smallest prefix whose mass reaches top_p; always at least the most likely token.
+        keep = min(int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1, keep)
+    probs, candidates = probs[:keep], candidates[:keep]
+    if params.min_p > 0.0:
+        mask = probs >= params.min_p * probs.max()
+        probs, candidates = probs[mask], candidates[mask]
+    cdf = np.cumsum(probs)
+    # Inverse-CDF draw: one uniform number per token keeps seeded runs reproducible.
+    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(candidates[min(index, len(candidates) - 1)])
+
+
+__all__ = ["SamplingParams", "sample", "greedy"]

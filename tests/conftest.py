@@ -1,0 +1,120 @@
+"""Shared fixtures: a tiny seeded Llama (built with transformers, the reference) and its exported family."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TINY_CONTEXTS = (32, 64)
+TINY_PREFILL = 8
+
+
+def tiny_tokenizer_json() -> str:
+    """A byte-level tokenizer: 256 byte tokens, no merges, then the specials (vocab 260)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(TINY_SPECIALS)
+    return tok.to_str()
+
+
+def build_tiny_hf(directory: Path, *, seed: int = 0, vocab_size: int = 260):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                         rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=True,
+                         bos_token_id=259, eos_token_id=258)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random init is too flat for greedy tests to mean anything: sharpen the head
+        model.model.embed_tokens.weight.mul_(8.0)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    (directory / "tokenizer.json").write_text(tiny_tokenizer_json())
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": False}))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny_hf")
+    build_tiny_hf(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_hf_dir):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_hf_dir, torch_dtype="float32").eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tiny_hf_dir, tmp_path_factory) -> Path:
+    from staticlm.export.family import ExportOptions, export_family
+    from staticlm.export.sources import load_model
+
+    out = tmp_path_factory.mktemp("tiny_family") / "family"
+    export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL))
+    return out
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded():
+    from staticlm.export.sources import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_family(smollm2_loaded, tmp_path_factory) -> Path:
+    """The default family, exactly as `staticlm export` writes it."""
+    from staticlm.export.family import ExportOptions, export_family
+
+    out = tmp_path_factory.mktemp("smollm2") / "family"
+    export_family(smollm2_loaded, out, options=ExportOptions())
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_small_family(smollm2_loaded, tmp_path_factory) -> Path:
+    """Small contexts, so a 64-token answer fills the window and forces compaction at reserve 1.5."""
+    from staticlm.export.family import ExportOptions, export_family
+
+    out = tmp_path_factory.mktemp("smollm2_small") / "family"
+    export_family(smollm2_loaded, out, options=ExportOptions(contexts=(64, 128), prefill_len=16))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                torch_dtype="float32").eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_family):
+    from staticlm.apps.common import open_tokenizer
+
+    return open_tokenizer(smollm2_family)

@@ -1,0 +1,95 @@
+"""Every graph of the family against transformers fp32, over several consecutive steps."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from reference import cache_kv, graph_feeds, hf_step
+from staticlm.export.manifest import GraphKind, load_manifest
+
+LOGITS_ATOL = 1e-3
+KV_RTOL = 1e-4
+
+
+def _session(path):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def check_family_against_reference(family_dir, model, *, num_steps: int, rng) -> int:
+    """Runs each graph for num_steps consecutive steps; returns the number of steps compared."""
+    manifest = load_manifest(family_dir)
+    cfg = manifest.model
+    compared = 0
+    for entry in manifest.graphs:
+        sess = _session(family_dir / entry.file)
+        ar, past_len = entry.shape.ar, entry.shape.past_len
+        # start part-way into the window so padding, valid rows and the causal block all matter
+        prefix = rng.integers(0, cfg.vocab_size, size=(1, max(1, min(past_len - ar * num_steps, 5))))
+        _, cache = hf_step(model, prefix, None)
+        for _ in range(num_steps):
+            if cache.get_seq_length() > past_len:
+                break
+            ids = rng.integers(0, cfg.vocab_size, size=(1, ar))
+            feeds = graph_feeds(model, cache=cache, ids=ids, past_len=past_len,
+                                num_kv_heads=cfg.num_kv_heads, num_layers=cfg.num_layers)
+            outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+            num_before = cache.get_seq_length()
+            ref_logits, cache = hf_step(model, ids, cache)
+            np.testing.assert_allclose(outs["logits"], ref_logits, atol=LOGITS_ATOL, rtol=0,
+                                       err_msg=f"{entry.name} logits")
+            for layer in range(cfg.num_layers):
+                keys, values = cache_kv(cache, layer)
+                for h in range(cfg.num_kv_heads):
+                    for name, ref in ((f"new_key_{layer}_h{h}", keys), (f"new_value_{layer}_h{h}", values)):
+                        want = ref[0, h, num_before:num_before + ar]
+                        got = outs[name][0, 0]
+                        scale = np.abs(want).max()
+                        assert np.abs(got - want).max() <= KV_RTOL * scale + 1e-6, f"{entry.name} {name}"
+            compared += 1
+    return compared
+
+
+def test_family_shapes_are_static_and_kv_contract_holds(tiny_family):
+    manifest = load_manifest(tiny_family)
+    kinds = {(g.kind, g.shape.context) for g in manifest.graphs}
+    assert kinds == {(k, s) for k in GraphKind for s in (32, 64)}
+    for entry in manifest.graphs:
+        model = onnx.load(tiny_family / entry.file, load_external_data=False)
+        for value in list(model.graph.input) + list(model.graph.output):
+            dims = value.type.tensor_type.shape.dim
+            assert all(d.HasField("dim_value") and d.dim_value > 0 for d in dims), value.name
+        names = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
+        outs = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.output}
+        s = entry.shape
+        assert names["past_key_0_h0"] == [1, 1, s.past_len, 16]
+        assert outs["new_value_1_h1"] == [1, 1, s.ar, 16]  # only the new rows go out
+        assert outs["logits"] == [1, s.ar, 260]
+        if entry.kind is GraphKind.DECODE:
+            assert s.ar == 1 and s.past_len == s.context - 1
+        # every graph references the one shared weight file, nothing inline but small constants
+        locations = {e.value for init in model.graph.initializer for e in init.external_data if e.key == "location"}
+        assert locations == {"weights.bin"}
+        assert not any(n.op_type in ("Tile", "Expand") for n in model.graph.node)  # GQA by grouping
+
+
+def test_tiny_every_graph_matches_transformers(tiny_family, tiny_hf_model, rng):
+    assert check_family_against_reference(tiny_family, tiny_hf_model, num_steps=3, rng=rng) >= 10
+
+
+def test_no_kv_concat_inside_the_graph(tiny_family):
+    """Concat may join [.., P] score rows, never a [.., P, D] cache window."""
+    manifest = load_manifest(tiny_family)
+    entry = manifest.graphs_of(GraphKind.DECODE)[-1]
+    model = onnx.load(tiny_family / entry.file, load_external_data=False)
+    past = {i.name for i in model.graph.input if i.name.startswith("past_")}
+    consumers = [n for n in model.graph.node if set(n.input) & past]
+    assert consumers and all(n.op_type in ("MatMul", "Transpose") for n in consumers)
+
+
+@pytest.mark.slow
+def test_smollm2_every_graph_matches_transformers(smollm2_family, smollm2_hf_model, rng):
+    assert check_family_against_reference(smollm2_family, smollm2_hf_model, num_steps=2, rng=rng) >= 8

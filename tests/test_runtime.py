@@ -1,0 +1,118 @@
+"""The runtime end to end: golden greedy output against transformers, zero copy, multi-turn KV reuse."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reference import hf_greedy
+from staticlm.apps.common import open_chat, open_tokenizer
+from staticlm.kv_manager import Strategy
+from staticlm.runtime.device import Device, DeviceOptions
+from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.generator import GenerationParams, Generator
+
+CPU = DeviceOptions(device=Device.CPU, num_threads=2)
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+STRATEGY_CASES = [(s, 2.0) for s in Strategy] + [(Strategy.POINTER, 1.5), (Strategy.SHIFT, 1.5)]
+
+
+def engine_for(family, *, strategy=Strategy.POINTER, reserve=2.0, device=CPU) -> Engine:
+    return Engine(family, options=EngineOptions(device=device, kv_strategy=strategy, kv_reserve=reserve))
+
+
+def greedy(family, prompt_ids, num_new, **kw) -> tuple[list[int], Engine]:
+    engine = engine_for(family, **kw)
+    gen = Generator(engine, open_tokenizer(family))
+    result = gen.generate(list(prompt_ids), GenerationParams(max_new_tokens=num_new, ignore_eos=True))
+    return result.token_ids, engine
+
+
+def chat_ids(family, text: str) -> list[int]:
+    session = open_chat(engine_for(family))
+    from staticlm.runtime.chat_template import Message
+
+    return session.prompt_ids([Message(role="user", content=text)])
+
+
+# -- tiny model: every path, fast -------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy,reserve", STRATEGY_CASES)
+def test_tiny_greedy_matches_transformers_on_every_kv_strategy(tiny_family, tiny_hf_model, strategy, reserve):
+    prompt = chat_ids(tiny_family, "hello there, tiny model")
+    num_new = 63 - len(prompt)  # fill the largest window: the ladder climbs and reserve 1.5 compacts
+    want = hf_greedy(tiny_hf_model, prompt, num_new, eos=None)
+    got, engine = greedy(tiny_family, prompt, num_new, strategy=strategy, reserve=reserve)
+    assert got == want
+    if strategy is Strategy.POINTER and reserve == 1.5:
+        assert engine.kv.stats.num_compactions >= 1
+
+
+def test_tiny_zero_copy_bindings_are_the_buffers_own(tiny_family):
+    engine = engine_for(tiny_family)
+    gen = Generator(engine, open_tokenizer(tiny_family))
+    gen.generate(chat_ids(tiny_family, "hi"), GenerationParams(max_new_tokens=20, ignore_eos=True))
+    assert engine.kv.stats.copied_bytes == 0 and engine.kv.stats.num_compactions == 0
+    runner = engine.runner(engine._rung(engine._decode, engine.num_cached - 1))
+    p = runner.shape.past_len
+    windows = np.array([[engine.kv.window(t, 0, p).ctypes.data] for t in range(engine.kv.spec.num_tensors)])
+    slots = np.array([[engine.kv.slot(t, 0, 1).ctypes.data] for t in range(engine.kv.spec.num_tensors)])
+    # the last step bound the windows one row before the current end: the addresses are the buffer's own rows
+    row = engine.config.head_dim * np.dtype(engine.manifest.kv_dtype).itemsize
+    assert np.array_equal(runner.bound_kv_inputs, windows - row)
+    assert np.array_equal(runner.bound_kv_outputs, slots - row)
+
+
+def test_tiny_second_turn_equals_fresh_prefill(tiny_family):
+    params = GenerationParams(max_new_tokens=8, ignore_eos=True)
+    session = open_chat(engine_for(tiny_family))
+    list(session.send("first question", params))
+    first_total = session.num_context_tokens
+    answer2 = "".join(session.send("second one", params))
+    assert session.last_result.prompt_tokens < first_total  # only the new turn was prefilled
+    fresh = open_chat(engine_for(tiny_family))
+    fresh.messages = session.messages[:-1]
+    assert "".join(fresh._answer(fresh.messages, params, lambda: False)) == answer2
+    assert fresh.last_result.token_ids == session.last_result.token_ids
+
+
+def test_tiny_htp_emulator_matches_cpu(tiny_family):
+    pytest.importorskip("onnxruntime_qnn", reason="the onnxruntime-qnn wheel does not exist for this platform")
+    prompt = chat_ids(tiny_family, "hello")
+    cpu = engine_for(tiny_family)
+    htp = engine_for(tiny_family, device=DeviceOptions(device=Device.HTP))
+    assert htp.device is Device.HTP
+    a, b = cpu.prefill(prompt).copy(), htp.prefill(prompt).copy()
+    for _ in range(6):  # a multi-step generation, both fed the CPU's greedy token
+        scale = np.abs(a).max()
+        assert np.abs(a - b).max() <= 2e-2 * scale, "HTP fp16 diverged from the CPU beyond fp16 tolerance"
+        token = int(np.argmax(a))
+        a, b = cpu.decode(token).copy(), htp.decode(token).copy()
+    assert htp.kv.stats.copied_bytes == 0
+
+
+# -- SmolLM2: the real model ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_greedy_chat_matches_transformers(smollm2_family, smollm2_hf_model):
+    for prompt in PROMPTS:
+        ids = chat_ids(smollm2_family, prompt)
+        want = hf_greedy(smollm2_hf_model, ids, 64, eos=None)
+        got, engine = greedy(smollm2_family, ids, 64)
+        assert got == want, prompt
+        assert engine.kv.stats.copied_bytes == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,reserve", STRATEGY_CASES)
+def test_smollm2_identical_across_kv_strategies(smollm2_small_family, smollm2_hf_model, strategy, reserve):
+    ids = chat_ids(smollm2_small_family, PROMPTS[0])
+    want = hf_greedy(smollm2_hf_model, ids, 64, eos=None)
+    got, engine = greedy(smollm2_small_family, ids, 64, strategy=strategy, reserve=reserve)
+    assert got == want
+    if strategy is Strategy.POINTER and reserve == 1.5:
+        assert engine.kv.stats.num_compactions >= 1
+
+
+@pytest.mark.slow
+def test_smollm2_answers_paris(smollm2_family):
+    session = open_chat(engine_for(smollm2_family))
+    text = "".join(session.send("What is the capital of France?", GenerationParams(max_new_tokens=32)))
+    assert "Paris" in text

@@ -1,0 +1,377 @@
+"""Text plumbing around the model: sampling, tokenizer, streaming detokenizer, stop strings, chat templates.
+
+References are independent of the code under test: numpy/math softmax, str.find, brute-force scans,
+the raw `tokenizers` decode, and transformers' apply_chat_template.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import CHATML, TINY_SPECIALS, tiny_tokenizer_json
+from staticlm.runtime.chat_template import DEFAULT_CHATML, ChatTemplateError, Message, render_chat
+from staticlm.runtime.sampling import SamplingParams, greedy, sample
+from staticlm.runtime.stopping import StopStringMatcher
+
+BOS, EOS = 259, 258  # "<s>" and "<|im_end|>" in the tiny tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _raw_byte_level():
+    from tokenizers import Tokenizer as HF
+
+    return HF.from_str(tiny_tokenizer_json())
+
+
+def _raw_byte_level_with_merges():
+    """Byte-level BPE with merges, so one token can hold a whole multi-byte character or part of one."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    merges = []
+    for word in ["Ġthe", "Ġa", "he", "ðŁ", "ðŁĺ", "ä¸", "Ã©", "ll"]:  # " the", " a", emoji/CJK/é lead bytes
+        left = word[0]
+        for ch in word[1:]:
+            if left + ch not in vocab:
+                merges.append((left, ch))
+                vocab[left + ch] = len(vocab)
+            left += ch
+    tok = HF(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(TINY_SPECIALS)
+    return tok
+
+
+def _raw_sentencepiece_style():
+    """Llama-style: '▁' for spaces, prepended to the text, byte fallback, leading space stripped on decode."""
+    from tokenizers import Tokenizer as HF, decoders, models, normalizers
+
+    pieces = [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + list("abcdefghijklmnopqrstuvwxyz.,!?")
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = []
+    for word in ["▁the", "▁a", "▁hello", "he"]:
+        left = word[0]
+        for ch in word[1:]:
+            if left + ch not in vocab:
+                merges.append((left, ch))
+                vocab[left + ch] = len(vocab)
+            left += ch
+    tok = HF(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=False))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    return tok
+
+
+def _wrap(raw, **kwargs):
+    from staticlm.runtime.tokenizer import Tokenizer
+
+    return Tokenizer(raw, **{"bos_token_id": None, "eos_token_ids": (), **kwargs})
+
+
+def _stream(tokenizer, ids) -> list[str]:
+    from staticlm.runtime.detokenizer import StreamDecoder
+
+    decoder = StreamDecoder(tokenizer)
+    return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+
+RAW_TOKENIZERS = {"byte_level": _raw_byte_level, "byte_level_merges": _raw_byte_level_with_merges,
+                  "sentencepiece": _raw_sentencepiece_style}
+# Arbitrary unicode, plus text built from pieces that exercise merges, spaces and multi-byte characters.
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40) | st.lists(
+    st.sampled_from(list("ab é中文😀👍🏽\n") + ["the", " the", "hello"]), max_size=20).map("".join)
+
+
+# ---------------------------------------------------------------------------------------------- detokenizer
+@pytest.mark.parametrize("kind", sorted(RAW_TOKENIZERS))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXT, special_at=st.lists(st.integers(0, 60), max_size=3))
+def test_stream_decoder_equals_full_decode(kind, text, special_at):
+    raw = RAW_TOKENIZERS[kind]()
+    ids = raw.encode(text, add_special_tokens=False).ids
+    special = raw.token_to_id("<s>")
+    for position in sorted(special_at, reverse=True):  # specials anywhere, even inside a character's bytes
+        ids.insert(min(position, len(ids)), special)
+    chunks = _stream(_wrap(raw), ids)
+    assert "".join(chunks) == raw.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in c for c in chunks) or "\ufffd" in text
+
+
+def test_stream_decoder_holds_back_split_characters():
+    raw = _raw_byte_level()
+    ids = raw.encode("é😀x", add_special_tokens=False).ids
+    assert len(ids) == 2 + 4 + 1  # one token per byte: every non-ASCII character is split
+    assert _stream(_wrap(raw), ids) == ["", "é", "", "", "", "😀", "x", ""]
+
+
+def test_stream_decoder_keeps_sentencepiece_spaces():
+    raw = _raw_sentencepiece_style()
+    ids = raw.encode("the cat sat", add_special_tokens=False).ids
+    assert "".join(_stream(_wrap(raw), ids)) == "the cat sat"
+    later = raw.encode("hello world", add_special_tokens=False).ids
+    # A window that starts mid-text must keep the space that begins its first piece.
+    assert "".join(_stream(_wrap(raw), ids + later)) == "the cat sat hello world"
+
+
+def test_stream_decoder_decodes_a_bounded_window():
+    raw = _raw_byte_level()
+    tokenizer = _wrap(raw)
+    sizes: list[int] = []
+    original = tokenizer.decode
+
+    def spy(ids, **kwargs):
+        ids = list(ids)
+        sizes.append(len(ids))
+        return original(ids, **kwargs)
+
+    tokenizer.decode = spy
+    text = "plain ascii, é and 中文 and 😀 " * 100
+    ids = raw.encode(text, add_special_tokens=False).ids
+    assert "".join(_stream(tokenizer, ids)) == text
+    assert max(sizes) <= 8  # never the whole sequence: per-token cost does not grow with length
+
+
+# ---------------------------------------------------------------------------------------------- stop strings
+def _run_stops(stops, chunks):
+    matcher = StopStringMatcher(stops)
+    out, stopped = [], False
+    for chunk in chunks:
+        text, stopped = matcher.push(chunk)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(matcher.flush())
+    return "".join(out), stopped
+
+
+def _chunked(text, cuts):
+    cuts = sorted({c % (len(text) + 1) for c in cuts})
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.text("ab<>/", max_size=30), stop=st.text("ab<>/", min_size=1, max_size=4),
+       cuts=st.lists(st.integers(0, 30), max_size=10))
+def test_stop_string_matches_split_of_the_full_text(text, stop, cuts):
+    emitted, stopped = _run_stops([stop], _chunked(text, cuts))
+    assert stopped == (text.find(stop) >= 0)
+    assert emitted == text.split(stop)[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc", max_size=25), stops=st.lists(st.text("abc", min_size=1, max_size=3), min_size=1,
+                                                        max_size=3), cuts=st.lists(st.integers(0, 25), max_size=8))
+def test_several_stop_strings_cut_where_the_first_one_completes(text, stops, cuts):
+    expected, expect_stop = text, False
+    for end in range(len(text) + 1):  # brute force: the first prefix of the text that ends in a stop string
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            expected, expect_stop = text[:end - max(map(len, done))], True
+            break
+    assert _run_stops(stops, _chunked(text, cuts)) == (expected, expect_stop)
+
+
+def test_stop_string_holds_back_only_a_possible_start():
+    matcher = StopStringMatcher(["</s>"])
+    assert matcher.push("Hello <") == ("Hello ", False)
+    assert matcher.push("b>") == ("<b>", False)
+    assert matcher.push(" end</") == (" end", False)
+    assert matcher.push("s> tail") == ("", True)
+    assert matcher.push("more") == ("", True)
+    assert StopStringMatcher([]).push("abc</s>") == ("abc</s>", False)
+    held = StopStringMatcher(["###"])
+    assert held.push("x##") == ("x", False) and held.flush() == "##"
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def _softmax(values):
+    exps = [math.exp(v - max(values)) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def _frequencies(logits, params, draws=20000, seed=0):
+    rng = np.random.default_rng(seed)
+    counts = np.bincount([sample(logits, params, rng=rng) for _ in range(draws)], minlength=len(logits))
+    return counts / draws
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(-50, 50), min_size=2, max_size=64, unique=True), st.floats(0.05, 5.0),
+       st.integers(0, 2**32 - 1))
+def test_greedy_and_top_k_1_are_argmax(values, temperature, seed):
+    logits = np.array(values, dtype=np.float64)  # float64 keeps the drawn values distinct
+    expected = values.index(max(values))
+    rng = np.random.default_rng(seed)
+    assert sample(logits, SamplingParams(), rng=rng) == expected
+    assert greedy(logits) == expected
+    assert sample(logits, SamplingParams(temperature=temperature, top_k=1), rng=rng) == expected
+    assert sample(logits, SamplingParams(temperature=temperature, top_p=1e-9), rng=rng) == expected
+
+
+def test_empirical_frequencies_follow_softmax():
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0], dtype=np.float32)
+    expected = np.array(_softmax([2.0, 1.0, 0.5, 0.0, -1.0]))
+    observed = _frequencies(logits, SamplingParams(temperature=1.0))
+    chi2 = float(np.sum((observed - expected) ** 2 / expected) * 20000)
+    assert chi2 < 18.47, (observed, expected)  # chi-square, 4 degrees of freedom, p = 0.001
+    hot = _frequencies(logits, SamplingParams(temperature=2.0))
+    assert np.allclose(hot, _softmax([v / 2 for v in [2.0, 1.0, 0.5, 0.0, -1.0]]), atol=0.015)
+
+
+def test_top_k_top_p_min_p_restrict_the_candidates():
+    probs = [0.5, 0.3, 0.1, 0.07, 0.03]
+    logits = np.log(np.array(probs))[::-1].copy()  # most likely token last: order must not matter
+    top2 = _frequencies(logits, SamplingParams(temperature=1.0, top_k=2), draws=8000)
+    assert np.allclose(top2, [0, 0, 0, 0.375, 0.625], atol=0.02)
+    nucleus = _frequencies(logits, SamplingParams(temperature=1.0, top_p=0.75), draws=8000)
+    assert np.allclose(nucleus, [0, 0, 0, 0.375, 0.625], atol=0.02)  # 0.5 + 0.3 is the first to reach 0.75
+    floor = _frequencies(logits, SamplingParams(temperature=1.0, min_p=0.19), draws=8000)
+    assert np.allclose(floor, [0, 0, 0.1 / 0.9, 0.3 / 0.9, 0.5 / 0.9], atol=0.02)  # keeps p >= 0.095
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = np.random.default_rng(7).normal(size=100).astype(np.float32)
+    params = SamplingParams(temperature=1.3, top_k=40, top_p=0.95)
+
+    def draw(seed):
+        rng = np.random.default_rng(seed)
+        return [sample(logits, params, rng=rng) for _ in range(50)]
+
+    assert draw(3) == draw(3)
+    assert draw(3) != draw(4)
+
+
+def test_repetition_penalty_changes_the_argmax():
+    logits = np.array([2.0, 1.9, -3.0, -0.5, -0.6], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    assert sample(logits, SamplingParams(), rng=rng, history=[0]) == 0
+    assert sample(logits, SamplingParams(repetition_penalty=1.2), rng=rng, history=[0, 0, 0]) == 1  # 2/1.2 < 1.9
+    negative = np.array([-0.5, -0.6], dtype=np.float32)
+    assert sample(negative, SamplingParams(repetition_penalty=2.0), rng=rng, history=[0]) == 1  # -0.5*2 < -0.6
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sampling_does_not_mutate_logits(dtype):
+    logits = np.random.default_rng(1).normal(size=50).astype(dtype)
+    before = logits.copy()
+    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.05, repetition_penalty=1.3)
+    sample(logits, params, rng=np.random.default_rng(0), history=list(range(20)))
+    sample(logits, SamplingParams(repetition_penalty=1.3), rng=np.random.default_rng(0), history=[1, 2])
+    assert np.array_equal(logits, before)
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    ({"temperature": -1}, "--temperature"), ({"top_k": -1}, "--top-k"), ({"top_p": 0.0}, "--top-p"),
+    ({"top_p": 1.5}, "--top-p"), ({"min_p": 1.0}, "--min-p"), ({"repetition_penalty": 0.0}, "--repetition-penalty"),
+    ({"temperature": float("nan")}, "--temperature")])
+def test_invalid_sampling_params_raise(kwargs, option):
+    with pytest.raises(ValueError, match=option) as info:
+        SamplingParams(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+def test_tokenizer_bos_and_specials(tmp_path):
+    from staticlm.runtime.tokenizer import Tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(tiny_tokenizer_json())
+    tok = Tokenizer.from_file(path, bos_token_id=BOS, eos_token_ids=[EOS], add_bos_token=True)
+    raw_ids = _raw_byte_level().encode("hi", add_special_tokens=False).ids
+    assert len(raw_ids) == 2 and BOS not in raw_ids
+    assert tok.encode("hi") == [BOS, *raw_ids]
+    assert tok.encode("hi", add_special_tokens=False) == raw_ids
+    assert tok.eos_token_ids == (EOS,) and tok.bos_token_id == BOS and tok.vocab_size == 260
+    assert tok.special_ids == frozenset({256, 257, 258, 259})
+    assert tok.decode([BOS, *raw_ids, EOS], skip_special_tokens=True) == "hi"
+    assert tok.decode([BOS, *raw_ids]) == "<s>hi"
+    assert tok.token_to_id("<|im_end|>") == EOS and tok.id_to_token(EOS) == "<|im_end|>"
+    assert Tokenizer.from_file(path, bos_token_id=BOS, eos_token_ids=[EOS]).encode("hi") == raw_ids
+
+
+def test_tokenizer_does_not_double_a_post_processor_bos():
+    from tokenizers import processors
+
+    raw = _raw_byte_level()
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    ids = _wrap(raw, bos_token_id=BOS, add_bos_token=True).encode("hi")
+    assert ids[0] == BOS and ids.count(BOS) == 1
+
+
+def test_tokenizer_file_errors_are_one_line(tmp_path):
+    from staticlm.runtime.tokenizer import Tokenizer
+
+    with pytest.raises(ValueError, match="not found"):
+        Tokenizer.from_file(tmp_path / "missing.json", bos_token_id=None, eos_token_ids=[])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": ')
+    with pytest.raises(ValueError, match="cannot read tokenizer") as info:
+        Tokenizer.from_file(bad, bos_token_id=None, eos_token_ids=[])
+    assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- chat template
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi <there> & \"you\" — 中文 😀"},
+    {"role": "assistant", "content": "Hello!\n  Indented."},
+    {"role": "user", "content": "Again?"},
+]
+RICH = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}\n  {% generation %}{{ message | tojson }}{% endgeneration %}\n{% if loop.index == 3 %}{% continue %}"
+        "{% endif %}[{{ loop.index }}]\n{% endfor %}{{ eos_token }}{% if add_generation_prompt %}>>{% endif %}")
+
+
+@pytest.mark.parametrize("template", [CHATML, DEFAULT_CHATML, RICH], ids=["chatml", "default", "rich"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("turns", [1, 2, 4])
+def test_render_chat_matches_transformers(template, add_generation_prompt, turns):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_raw_byte_level(), chat_template=template,
+                                              bos_token="<s>", eos_token="<|im_end|>")
+    messages = CONVERSATION[-turns:]
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    got = render_chat(template, [Message(**m) for m in messages], add_generation_prompt=add_generation_prompt,
+                      bos_token="<s>", eos_token="<|im_end|>")
+    assert got == expected
+    assert render_chat(template, messages, add_generation_prompt=add_generation_prompt, bos_token="<s>",
+                       eos_token="<|im_end|>") == expected
+
+
+def test_render_chat_known_output_and_unset_tokens():
+    text = render_chat(DEFAULT_CHATML, [Message("user", "hi")], add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert render_chat("[{{ bos_token }}]", [], add_generation_prompt=False) == "[]"  # not "None"
+    assert json.loads(render_chat("{{ messages[0] | tojson }}", [Message("user", "<é>")],
+                                  add_generation_prompt=False)) == {"role": "user", "content": "<é>"}
+    assert "<é>" in render_chat("{{ messages[0] | tojson }}", [Message("user", "<é>")], add_generation_prompt=False)
+
+
+@pytest.mark.parametrize("template, messages", [
+    ("{% for message in messages %}{{ message['content'] }", [{"role": "user", "content": "x"}]),
+    ("{% if %}", []),
+    (RICH, [{"role": "tool", "content": "x"}]),
+    ("{{ messages[0].__class__.__mro__ }}", [{"role": "user", "content": "x"}]),
+])
+def test_template_errors_are_chat_template_errors(template, messages):
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(template, messages, add_generation_prompt=True)
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+
+
+def test_message_validates_role():
+    with pytest.raises(ValueError, match="role"):
+        Message(role="robot", content="x")
+    assert Message(role="tool", content="x").role == "tool"
