@@ -63,6 +63,9 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     step = on_step or (lambda _name: None)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)  # mkdtemp makes it private; the family is an ordinary directory
     try:
         writer = WeightFileWriter(work / WEIGHTS_FILE)
         write_weights(config, model.weights, writer)

@@ -70,8 +70,8 @@ def _config(meta: dict[str, Any], gf: GGUFFile, *, arch: str) -> ModelConfig:
         intermediate_size=int(need("feed_forward_length")),
         # The embedding's rows are what the graph indexes; the token list may be padded or short.
         vocab_size=gf.tensors["token_embd.weight"].shape[0],
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
         max_positions=int(need("context_length")),
         tie_word_embeddings="output.weight" not in gf.tensors,  # llama.cpp omits output when tied
         attention_bias=False,
@@ -104,6 +104,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """
     dim1 = w.shape[0]
     return np.ascontiguousarray(w.reshape(n_head, dim1 // n_head // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape))
+
+
+def _f32(value: float) -> float:
+    """GGUF stores float32: 1e-5 reads back as 9.99999975e-06. Keep its shortest float32 spelling."""
+    return float(str(np.float32(value)))
 
 
 def _hf_name(name: str) -> str | None:

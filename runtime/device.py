@@ -98,7 +98,8 @@ def qnn_cache_key(model_path: Path, soc_model: str) -> str:
 
 
 def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
-                   cache_dir: Path | None = None) -> ort.InferenceSession:
+                   cache_dir: Path | None = None, shared_weights=None) -> ort.InferenceSession:
+    """shared_weights (a SharedWeights) makes CPU sessions of one family reference one weight mapping."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = options.num_threads or physical_cores()
@@ -127,6 +128,10 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
         except Exception as e:
             raise DeviceError(f"the HTP backend could not run {Path(model_path).name}: "
                               f"{str(e).splitlines()[0][:300]}") from None
+    if shared_weights is not None:
+        shared_weights.attach(path, so)
+        # Prepacking would give every session its own repacked copy of each weight (550 MB each here).
+        so.add_session_config_entry("session.disable_prepacking", "1")
     try:
         return ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
     except Exception as e:

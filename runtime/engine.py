@@ -9,11 +9,12 @@ import numpy as np
 
 from staticlm.export.contract import num_kv_tensors
 from staticlm.export.manifest import GraphEntry, GraphKind, Manifest, load_manifest
-from staticlm.kv_manager import KVSpec, Overflow, Strategy, attention_bias, make_kv_cache
+from staticlm.kv_manager import ContextFull, KVSpec, Overflow, Strategy, attention_bias, make_kv_cache
 
 from .device import Device, DeviceOptions, create_session, resolve_device
 from .graph_runner import GraphRunner
 from .rope import RopeTable
+from .shared_weights import SharedWeights
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class EngineOptions:
     kv_reserve: float = 2.0
     overflow: Overflow = Overflow.ERROR
     bmc_r: int | None = None
+    share_weights: bool = True  # one weight mapping for all CPU sessions (see shared_weights.py)
 
 
 @dataclass
@@ -56,13 +58,17 @@ class Engine:
             options.kv_strategy, bmc_r=options.bmc_r)
         self.rope = RopeTable(head_dim=cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.max_positions)
         self._runners: dict[str, GraphRunner] = {}
+        self._token = np.zeros(1, np.int64)
+        self._shared_weights = (SharedWeights(self.model_dir / self.manifest.weights_file)
+                                if self.device is Device.CPU and options.share_weights else None)
         self.counters = StepCounters()
 
     # -- graphs -------------------------------------------------------------------------
     def runner(self, entry: GraphEntry) -> GraphRunner:
         if entry.name not in self._runners:
             session = create_session(self.model_dir / entry.file, device=self.device,
-                                     options=self.options.device, cache_dir=self.model_dir / ".qnn_cache")
+                                     options=self.options.device, cache_dir=self.model_dir / ".qnn_cache",
+                                     shared_weights=self._shared_weights)
             self._runners[entry.name] = GraphRunner(session, entry, num_kv_heads=self.config.num_kv_heads)
         return self._runners[entry.name]
 
@@ -90,25 +96,36 @@ class Engine:
         run = self.runner(entry)
         run.input_ids[0, :num_real] = tokens
         run.input_ids[0, num_real:] = 0
-        positions = self.kv.positions[:, None] + np.arange(shape.ar)  # [B, AR]
+        positions = self.kv.positions[:, None] + run.row_offsets  # [B, AR]
         self.rope.fill(positions, cos_out=run.rope_cos, sin_out=run.rope_sin)
-        run.attention_bias[...] = attention_bias(lengths=self.kv.lengths, past_len=shape.past_len, ar=shape.ar)
+        attention_bias(lengths=self.kv.lengths, past_len=shape.past_len, ar=shape.ar, out=run.attention_bias)
         run.bind_kv(self.kv.window_addresses(shape.past_len), self.kv.slot_addresses(shape.ar))
         run.run()
         self.kv.advance(num_real)
         return run.logits[0, num_real - 1]
+
+    def check_room(self, num_new: int) -> None:
+        """Refuse, before anything runs, what the error policy could not finish."""
+        if self.options.overflow is Overflow.ERROR and self.num_cached + num_new > self.max_context:
+            raise ContextFull(f"context full: {self.num_cached} cached + {num_new} new tokens exceed the "
+                              f"largest context {self.max_context}; use --on-overflow slide or export larger --context sizes")
 
     def prefill(self, token_ids) -> np.ndarray:
         """Append tokens to the cache in prefill-graph chunks; returns the last token's logits [V]."""
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.size == 0:
             raise ValueError("nothing to prefill: the prompt is empty")
+        self.check_room(ids.size)
         t0 = time.perf_counter()
         logits = None
         start = 0
+        max_prefill_past = self._prefill[-1].shape.past_len if self._prefill else -1
         while start < ids.size:
             rest = ids.size - start
-            if rest == 1 or not self._prefill:
+            # A lone token goes through a decode graph; so do the last few (< AR) tokens of a full context,
+            # which the largest prefill window cannot hold without sliding.
+            past_prefill = self.num_cached > max_prefill_past and self.options.overflow is Overflow.ERROR
+            if rest == 1 or not self._prefill or past_prefill:
                 logits = self._step(self._rung(self._decode, self.num_cached), ids[start:start + 1])
                 start += 1
                 continue
@@ -122,8 +139,10 @@ class Engine:
 
     def decode(self, token_id: int) -> np.ndarray:
         """One token in, next-token logits [V] out."""
+        self.check_room(1)
         t0 = time.perf_counter()
-        logits = self._step(self._rung(self._decode, self.num_cached), np.array([token_id], np.int64))
+        self._token[0] = token_id
+        logits = self._step(self._rung(self._decode, self.num_cached), self._token)
         self.counters.num_decode_steps += 1
         self.counters.decode_seconds += time.perf_counter() - t0
         return logits

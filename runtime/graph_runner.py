@@ -28,6 +28,7 @@ class GraphRunner:
         self._cpu = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
         by_role = {s.role: s for s in entry.inputs if s.role not in KV_INPUT_ROLES}
         self.input_ids = np.zeros(by_role[Role.INPUT_IDS].shape, np.int64)  # [B, AR]
+        self.row_offsets = np.arange(self.shape.ar)  # [AR] position of each new row after the cached ones
         self.rope_cos = np.zeros(by_role[Role.ROPE_COS].shape, by_role[Role.ROPE_COS].dtype)  # [B, 1, AR, D]
         self.rope_sin = np.zeros(by_role[Role.ROPE_SIN].shape, by_role[Role.ROPE_SIN].dtype)  # [B, 1, AR, D]
         bias = by_role[Role.ATTENTION_BIAS]

@@ -73,6 +73,17 @@ def tiny_family(tiny_hf_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_family(tiny_hf_dir, tmp_path_factory) -> Path:
+    """Contexts long enough for a few chat turns of the byte-level tiny tokenizer."""
+    from staticlm.export.family import ExportOptions, export_family
+    from staticlm.export.sources import load_model
+
+    out = tmp_path_factory.mktemp("tiny_chat") / "family"
+    export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=(256, 512), prefill_len=16))
+    return out
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
@@ -118,3 +129,11 @@ def smollm2_tokenizer(smollm2_family):
     from staticlm.apps.common import open_tokenizer
 
     return open_tokenizer(smollm2_family)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The default model's GGUF file (fetched into the staticlm cache on first use)."""
+    from staticlm.export.sources import default_gguf_path
+
+    return default_gguf_path()
