@@ -71,9 +71,11 @@ def open_engine(opts: RunOptions) -> Engine:
                            **({"soc_model": opts.soc_model} if opts.soc_model else {}))
     if not 1.0 < opts.kv_reserve <= 8.0:
         raise UserError(f"--kv-reserve must be in (1, 8], got {opts.kv_reserve}")
-    return Engine(model_dir, options=EngineOptions(
+    engine = Engine(model_dir, options=EngineOptions(
         device=device, kv_strategy=_enum(Strategy, opts.kv_strategy, "KV strategy"),
         kv_reserve=opts.kv_reserve, overflow=_enum(Overflow, opts.overflow, "overflow policy")))
+    engine.warm_up()
+    return engine
 
 
 def open_chat(engine: Engine, *, system_prompt: str | None = None) -> ChatSession:

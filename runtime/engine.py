@@ -72,6 +72,11 @@ class Engine:
             self._runners[entry.name] = GraphRunner(session, entry, num_kv_heads=self.config.num_kv_heads)
         return self._runners[entry.name]
 
+    def warm_up(self) -> None:
+        """Open the first rung's sessions now, so the first answer's TTFT is not a load time."""
+        for entry in (self._decode[0], *self._prefill[:1]):
+            self.runner(entry)
+
     def load_all(self) -> None:
         for entry in self.manifest.graphs:
             self.runner(entry)

