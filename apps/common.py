@@ -66,14 +66,16 @@ def _enum(kind, value: str, what: str):
 
 
 def open_engine(opts: RunOptions) -> Engine:
-    model_dir = opts.model_dir or ensure_default_model()
+    # Every option is checked before the (possibly minutes-long) first-run export.
     device = DeviceOptions(device=parse_device(opts.device), num_threads=opts.num_threads,
                            **({"soc_model": opts.soc_model} if opts.soc_model else {}))
     if not 1.0 < opts.kv_reserve <= 8.0:
         raise UserError(f"--kv-reserve must be in (1, 8], got {opts.kv_reserve}")
-    engine = Engine(model_dir, options=EngineOptions(
-        device=device, kv_strategy=_enum(Strategy, opts.kv_strategy, "KV strategy"),
-        kv_reserve=opts.kv_reserve, overflow=_enum(Overflow, opts.overflow, "overflow policy")))
+    if opts.num_threads is not None and opts.num_threads < 1:
+        raise UserError(f"--threads must be >= 1, got {opts.num_threads}")
+    options = EngineOptions(device=device, kv_strategy=_enum(Strategy, opts.kv_strategy, "KV strategy"),
+                            kv_reserve=opts.kv_reserve, overflow=_enum(Overflow, opts.overflow, "overflow policy"))
+    engine = Engine(opts.model_dir or ensure_default_model(), options=options)
     engine.warm_up()
     return engine
 

@@ -73,6 +73,14 @@ def test_unknown_device(tiny_family):
                           "unknown device 'tpu'")
 
 
+def test_bad_options_are_refused_before_the_first_run_export(tmp_path):
+    home = tmp_path / "home"
+    for option in (("--device", "tpu"), ("--kv-reserve", "0.5"), ("--kv-strategy", "magic"), ("--threads", "0")):
+        proc = staticlm("generate", "--prompt", "hi", *option, env={"STATICLM_HOME": str(home)}, timeout=60)
+        assert_one_line_error(proc, option[0].lstrip("-").split("-")[-1] if option[0] != "--device" else "device")
+    assert not (home / "models").exists()  # nothing was exported for a command that could not run
+
+
 def test_over_long_prompt_errors_then_slides(tiny_family):
     long_prompt = "word " * 40  # 200 byte tokens > the tiny family's 63-row window
     assert_one_line_error(staticlm("generate", "--model", tiny_family, "--prompt", long_prompt), "context")
