@@ -6,7 +6,8 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from staticlm.export.family import DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, ExportOptions, export_family, num_steps
+from staticlm.export.family import (DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, DEFAULT_VERIFY_LENS, ExportOptions,
+                                   export_family, num_steps)
 from staticlm.export.sources import load_model
 
 
@@ -22,15 +23,33 @@ def parse_contexts(text: str | None) -> tuple[int, ...]:
     return values
 
 
+def parse_verify_lens(text: str | None, *, prefill_len: int) -> tuple[int, ...]:
+    if text is None:  # the defaults that fit under the chosen prefill length
+        return tuple(n for n in DEFAULT_VERIFY_LENS if n < prefill_len)
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"--verify-lens takes comma-separated integers or 'none', got {text!r}") from None
+
+
 def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | None,
-               prefill_len: int | None, quiet: bool = False) -> Path:
+               prefill_len: int | None, verify_lens: str | None = None, draft_layers: int | None = None,
+               quiet: bool = False) -> Path:
     ctx = contexts if isinstance(contexts, tuple) else parse_contexts(contexts)
-    options = ExportOptions(contexts=ctx, prefill_len=prefill_len or DEFAULT_PREFILL_LEN)
+    prefill_len = prefill_len or DEFAULT_PREFILL_LEN
+    options = ExportOptions(contexts=ctx, prefill_len=prefill_len,
+                            verify_lens=parse_verify_lens(verify_lens, prefill_len=prefill_len))
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), disable=quiet, transient=False) as progress:
         task = progress.add_task(f"reading {model}", total=num_steps(options) + 1)
         loaded = load_model(model)
+        if draft_layers is not None:
+            from staticlm.export.draft import truncate_layers
+
+            loaded = truncate_layers(loaded, draft_layers)
         progress.update(task, advance=1, description="writing weights")
 
         def step(name: str) -> None:

@@ -20,7 +20,7 @@ def run_generate(*, prompt: str, run: RunOptions, params: GenerationParams, chat
     if not prompt.strip():
         raise ValueError("the prompt is empty: pass some text with --prompt")
     engine = open_engine(run)
-    session: ChatSession = open_chat(engine, system_prompt=system_prompt)
+    session: ChatSession = open_chat(engine, system_prompt=system_prompt, run=run)
     if chat:
         stream = session.send(prompt, params, should_stop=(flag := StopFlag()))
     else:
@@ -39,6 +39,11 @@ def run_generate(*, prompt: str, run: RunOptions, params: GenerationParams, chat
         "decode_tok_s": round(result.decode_tok_s, 2), "device": engine.device_name,
         "kv_strategy": run.kv_strategy, "kv_copied_bytes": int(engine.kv.stats.copied_bytes),
     }
+    spec = session.generator.speculator
+    if spec is not None:
+        summary.update(drafted_tokens=spec.stats.num_drafted, accepted_tokens=spec.stats.num_accepted,
+                       verify_steps=spec.stats.num_steps, acceptance_rate=round(spec.stats.acceptance_rate, 3),
+                       verify_rows=engine.counters.num_verify_rows)
     if as_json:
         print(json.dumps(summary))
     else:

@@ -11,6 +11,7 @@ from staticlm.runtime.chat import ChatSession, TemplateInfo
 from staticlm.runtime.device import DeviceOptions, parse_device
 from staticlm.runtime.engine import Engine, EngineOptions
 from staticlm.runtime.generator import Generator
+from staticlm.runtime.speculate_options import SpeculateOptions, build_speculator
 from staticlm.runtime.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -42,6 +43,8 @@ class RunOptions:
     kv_strategy: str = "pointer"
     kv_reserve: float = 2.0
     overflow: str = "error"
+    speculate: str = "none"  # none, lookup or draft:DIR
+    draft_len: int | None = None  # fixed draft length; None for BASS's dynamic one
 
 
 def ensure_default_model(*, quiet: bool = False) -> Path:
@@ -71,6 +74,9 @@ def open_engine(opts: RunOptions) -> Engine:
                            **({"soc_model": opts.soc_model} if opts.soc_model else {}))
     if not 1.0 < opts.kv_reserve <= 8.0:
         raise UserError(f"--kv-reserve must be in (1, 8], got {opts.kv_reserve}")
+    SpeculateOptions.parse(opts.speculate, fixed_length=opts.draft_len)
+    if opts.draft_len is not None and opts.draft_len < 1:
+        raise UserError(f"--draft-len must be >= 1, got {opts.draft_len}")
     if opts.num_threads is not None and opts.num_threads < 1:
         raise UserError(f"--threads must be >= 1, got {opts.num_threads}")
     options = EngineOptions(device=device, kv_strategy=_enum(Strategy, opts.kv_strategy, "KV strategy"),
@@ -80,12 +86,17 @@ def open_engine(opts: RunOptions) -> Engine:
     return engine
 
 
-def open_chat(engine: Engine, *, system_prompt: str | None = None) -> ChatSession:
+def open_chat(engine: Engine, *, system_prompt: str | None = None, run: RunOptions | None = None) -> ChatSession:
+    """A chat over the engine; `run` adds its speculative decoding choice."""
     m = engine.manifest
     tokenizer = open_tokenizer(engine.model_dir)
     template = TemplateInfo(chat_template=m.chat_template, bos_token=m.special_tokens.bos_token,
                             eos_token=m.special_tokens.eos_token)
-    return ChatSession(Generator(engine, tokenizer), template, system_prompt=system_prompt)
+    generator = Generator(engine, tokenizer)
+    if run is not None:
+        generator.speculator = build_speculator(SpeculateOptions.parse(run.speculate, fixed_length=run.draft_len),
+                                                engine=engine, tokenizer=tokenizer, engine_options=engine.options)
+    return ChatSession(generator, template, system_prompt=system_prompt)
 
 
 def open_tokenizer(model_dir: Path) -> Tokenizer:

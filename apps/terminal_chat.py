@@ -15,7 +15,7 @@ HELP = "commands: /reset  /stats  /system TEXT  /help   (Ctrl-C stops an answer,
 def run_chat(*, run: RunOptions, params: GenerationParams, system_prompt: str | None = None,
              input_fn=input, out=sys.stdout) -> int:
     engine = open_engine(run)
-    session = open_chat(engine, system_prompt=system_prompt)
+    session = open_chat(engine, system_prompt=system_prompt, run=run)
     flag = StopFlag()
     out.write(f"staticlm chat · {engine.manifest.source or engine.model_dir.name} on {engine.device_name} · "
               f"context {engine.max_context}\n{HELP}\n")

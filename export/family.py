@@ -20,6 +20,7 @@ WEIGHTS_FILE = "weights.bin"
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_CONTEXTS = (256, 512, 1024, 2048)
 DEFAULT_PREFILL_LEN = 64
+DEFAULT_VERIFY_LENS = (4, 8, 16)
 
 
 class ExportError(ValueError):
@@ -30,6 +31,7 @@ class ExportError(ValueError):
 class ExportOptions:
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     prefill_len: int = DEFAULT_PREFILL_LEN
+    verify_lens: tuple[int, ...] = DEFAULT_VERIFY_LENS  # extra AR=N graphs sized for speculative verification
     batch: int = 1
 
     def validate(self, max_positions: int) -> None:
@@ -42,6 +44,9 @@ class ExportOptions:
                 raise ExportError(f"context {s} must be larger than the prefill length {self.prefill_len}")
             if s > max_positions:
                 raise ExportError(f"context {s} exceeds the model's {max_positions} positions")
+        for n in self.verify_lens:
+            if not 2 <= n < self.prefill_len:
+                raise ExportError(f"verify length {n} must be in [2, prefill length {self.prefill_len})")
         if self.batch < 1:
             raise ExportError(f"batch must be >= 1, got {self.batch}")
 
@@ -49,8 +54,8 @@ class ExportOptions:
         out = []
         for s in sorted(set(self.contexts)):
             out.append((f"decode_s{s}", GraphKind.DECODE, GraphShape(self.batch, 1, s - 1)))
-            out.append((f"prefill_s{s}_ar{self.prefill_len}", GraphKind.PREFILL,
-                        GraphShape(self.batch, self.prefill_len, s - self.prefill_len)))
+            for ar in sorted({*self.verify_lens, self.prefill_len}):
+                out.append((f"prefill_s{s}_ar{ar}", GraphKind.PREFILL, GraphShape(self.batch, ar, s - ar)))
         return out
 
 

@@ -31,6 +31,8 @@ class EngineOptions:
 class StepCounters:
     num_prefill_tokens: int = 0
     num_decode_steps: int = 0
+    num_verify_steps: int = 0
+    num_verify_rows: int = 0  # rows the verify graphs computed (real drafts + padding)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -46,11 +48,15 @@ class Engine:
         cfg = self.manifest.model
         self.config = cfg
         self._decode = self.manifest.graphs_of(GraphKind.DECODE)
-        self._prefill = self.manifest.graphs_of(GraphKind.PREFILL)
+        multi = self.manifest.graphs_of(GraphKind.PREFILL)
         if not self._decode:
             raise ValueError(f"{self.model_dir} has no decode graph")
         self.max_context = self._decode[-1].shape.context
-        self.prefill_len = self._prefill[0].shape.ar if self._prefill else 1
+        self.prefill_len = max((g.shape.ar for g in multi), default=1)
+        self._prefill = tuple(g for g in multi if g.shape.ar == self.prefill_len)  # prompt chunks
+        # Every AR=N graph can verify drafts; by AR, each a ladder sorted by past length.
+        self.verify_lens = tuple(sorted({g.shape.ar for g in multi}))
+        self._verify = {ar: tuple(g for g in multi if g.shape.ar == ar) for ar in self.verify_lens}
         self.kv = make_kv_cache(
             KVSpec(num_tensors=num_kv_tensors(cfg), head_dim=cfg.head_dim, dtype=self.manifest.kv_dtype,
                    max_past=self._decode[-1].shape.past_len, max_ar=max(self.prefill_len, 1),
@@ -74,7 +80,7 @@ class Engine:
 
     def warm_up(self) -> None:
         """Open the first rung's sessions now, so the first answer's TTFT is not a load time."""
-        for entry in (self._decode[0], *self._prefill[:1]):
+        for entry in (self._decode[0], *self._prefill[:1], *(ladder[0] for ladder in self._verify.values())):
             self.runner(entry)
 
     def load_all(self) -> None:
@@ -94,8 +100,8 @@ class Engine:
     def num_cached(self) -> int:
         return int(self.kv.lengths[0])
 
-    def _step(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
-        """Run AR rows (len(tokens) <= AR real ones, the rest padding); commit the real ones."""
+    def _run(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
+        """Run AR rows (len(tokens) <= AR real ones, the rest padding) without committing; logits [AR, V]."""
         shape, num_real = entry.shape, len(tokens)
         self.kv.prepare(past_len=shape.past_len, ar=shape.ar)
         run = self.runner(entry)
@@ -106,8 +112,42 @@ class Engine:
         attention_bias(lengths=self.kv.lengths, past_len=shape.past_len, ar=shape.ar, out=run.attention_bias)
         run.bind_kv(self.kv.window_addresses(shape.past_len), self.kv.slot_addresses(shape.ar))
         run.run()
-        self.kv.advance(num_real)
-        return run.logits[0, num_real - 1]
+        return run.logits[0]
+
+    def _step(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
+        """Run and commit every real row; the last real token's logits [V]."""
+        logits = self._run(entry, tokens)
+        self.kv.advance(len(tokens))
+        return logits[len(tokens) - 1]
+
+    def verify_len(self, num_tokens: int) -> int | None:
+        """The smallest exported AR that takes num_tokens rows at the current length (None: none fits)."""
+        for ar in self.verify_lens:
+            if ar >= num_tokens and self._verify[ar][-1].shape.past_len >= self.num_cached:
+                return ar
+        return None
+
+    def verify(self, token_ids) -> np.ndarray:
+        """Score tokens in one AR=N call, committing nothing: logits [n, V], row i predicts after token i.
+
+        Their K/V land in the slot rows right after the window; `commit(m)` keeps the first m, and the
+        rest are simply overwritten by the next step (no copy, no clearing).
+        """
+        ids = np.asarray(token_ids, dtype=np.int64)
+        ar = self.verify_len(ids.size)
+        if ar is None:
+            raise ValueError(f"no verify graph takes {ids.size} tokens at {self.num_cached} cached")
+        self.check_room(ids.size)
+        t0 = time.perf_counter()
+        logits = self._run(self._rung(self._verify[ar], self.num_cached), ids)[:ids.size]
+        self.counters.num_verify_steps += 1
+        self.counters.num_verify_rows += ar
+        self.counters.decode_seconds += time.perf_counter() - t0
+        return logits
+
+    def commit(self, num_tokens: int) -> None:
+        """Keep the first num_tokens rows the last verify wrote."""
+        self.kv.advance(num_tokens)
 
     def check_room(self, num_new: int) -> None:
         """Refuse, before anything runs, what the error policy could not finish."""

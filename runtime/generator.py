@@ -57,6 +57,7 @@ class Generator:
         self._logits: np.ndarray | None = None  # [V] next-token logits after `tokens`
         self._rng = np.random.default_rng()
         self.dropped: list[int] = []  # tokens the slide policy pushed out of the front of the cache
+        self.speculator = None  # a speculative.Speculator, or None for one token per step
 
     # -- the genai-style primitives -------------------------------------------------------
     def append_tokens(self, ids) -> None:
@@ -88,6 +89,35 @@ class Generator:
         token = sample(self._logits, params, rng=self._rng, history=self.tokens)
         self._pending = token
         return token
+
+    def next_tokens(self, params: SamplingParams = SamplingParams()) -> list[int]:
+        """The next token, or several when a speculator is set and its drafts are accepted."""
+        if self.speculator is not None:
+            tokens = self.speculator.step(self, params)
+            if tokens is not None:
+                return tokens
+        return [self.generate_next_token(params)]
+
+    # -- what a speculator needs -------------------------------------------------------------
+    @property
+    def pending_token(self) -> int | None:
+        return self._pending
+
+    @property
+    def next_logits(self) -> np.ndarray | None:
+        """[V] logits after `tokens` (None while a sampled token is pending)."""
+        return self._logits
+
+    @property
+    def rng(self) -> np.random.Generator:
+        return self._rng
+
+    def commit_speculated(self, last: int, accepted: list[int], nxt: int) -> None:
+        """The engine committed `last` and the accepted drafts; `nxt` is sampled and pending."""
+        self.tokens.append(last)
+        self.tokens.extend(accepted)
+        self._pending, self._logits = nxt, None
+        self._sync_slide()
 
     def _sync_slide(self) -> None:
         """Under the slide policy the cache dropped its oldest rows; drop them from the list too."""
@@ -154,20 +184,24 @@ class Generator:
             if should_stop():
                 reason = FinishReason.CANCELLED
                 break
-            token = self.generate_next_token(params.sampling)
-            if not out_ids:
-                t_first = time.perf_counter()
-                ttft = t_first - t0
-            out_ids.append(token)
-            if token in eos and not params.ignore_eos:
-                reason = FinishReason.EOS
-                break
-            text, stopped = stopper.push(decoder.push(token))
-            if text:
-                pieces.append(text)
-                yield text
-            if stopped:
-                reason = FinishReason.STOP_STRING
+            for token in self.next_tokens(params.sampling):
+                if not out_ids:
+                    t_first = time.perf_counter()
+                    ttft = t_first - t0
+                out_ids.append(token)
+                if token in eos and not params.ignore_eos:
+                    reason = FinishReason.EOS
+                    break
+                text, stopped = stopper.push(decoder.push(token))
+                if text:
+                    pieces.append(text)
+                    yield text
+                if stopped:
+                    reason = FinishReason.STOP_STRING
+                    break
+                if len(out_ids) >= params.max_new_tokens:
+                    break
+            if reason is not FinishReason.LENGTH:
                 break
         if reason in (FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.EOS):
             tail, _ = stopper.push(decoder.flush())

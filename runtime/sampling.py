@@ -52,9 +52,9 @@ def _penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.
     return out
 
 
-def sample(logits: np.ndarray, params: SamplingParams, *, rng: np.random.Generator,
-           history: Sequence[int] = ()) -> int:
-    """Pick the next token from logits [V]; pure apart from drawing from `rng`."""
+def _filtered(logits: np.ndarray, params: SamplingParams,
+              history: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | int:
+    """The candidate ids and their probabilities after every warper, or the token when greedy."""
     logits = np.asarray(logits).reshape(-1)
     if params.repetition_penalty != 1.0 and len(history):
         scores = _penalize(logits, history, params.repetition_penalty)
@@ -86,10 +86,36 @@ def sample(logits: np.ndarray, params: SamplingParams, *, rng: np.random.Generat
     if params.min_p > 0.0:
         mask = probs >= params.min_p * probs.max()
         probs, candidates = probs[mask], candidates[mask]
+    return candidates, probs
+
+
+def sample(logits: np.ndarray, params: SamplingParams, *, rng: np.random.Generator,
+           history: Sequence[int] = ()) -> int:
+    """Pick the next token from logits [V]; pure apart from drawing from `rng`."""
+    filtered = _filtered(logits, params, history)
+    if isinstance(filtered, int):
+        return filtered
+    candidates, probs = filtered
     cdf = np.cumsum(probs)
     # Inverse-CDF draw: one uniform number per token keeps seeded runs reproducible.
     index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return int(candidates[min(index, len(candidates) - 1)])
 
 
-__all__ = ["SamplingParams", "sample", "greedy"]
+def distribution(logits: np.ndarray, params: SamplingParams, *, history: Sequence[int] = ()) -> np.ndarray:
+    """The distribution `sample` draws from, dense over the vocabulary [V] (one-hot when greedy).
+
+    Speculative sampling needs the target's (and a draft model's) distribution itself, not a draw.
+    """
+    vocab = np.asarray(logits).size
+    out = np.zeros(vocab, np.float64)
+    filtered = _filtered(logits, params, history)
+    if isinstance(filtered, int):
+        out[filtered] = 1.0
+    else:
+        candidates, probs = filtered
+        out[candidates] = probs / probs.sum()
+    return out
+
+
+__all__ = ["SamplingParams", "sample", "greedy", "distribution"]

@@ -69,7 +69,7 @@ def tiny_family(tiny_hf_dir, tmp_path_factory) -> Path:
     from staticlm.export.sources import load_model
 
     out = tmp_path_factory.mktemp("tiny_family") / "family"
-    export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL))
+    export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,)))
     return out
 
 
@@ -80,7 +80,7 @@ def tiny_chat_family(tiny_hf_dir, tmp_path_factory) -> Path:
     from staticlm.export.sources import load_model
 
     out = tmp_path_factory.mktemp("tiny_chat") / "family"
-    export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=(256, 512), prefill_len=16))
+    export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=(256, 512), prefill_len=16, verify_lens=(4, 8)))
     return out
 
 
@@ -112,7 +112,7 @@ def smollm2_small_family(smollm2_loaded, tmp_path_factory) -> Path:
     from staticlm.export.family import ExportOptions, export_family
 
     out = tmp_path_factory.mktemp("smollm2_small") / "family"
-    export_family(smollm2_loaded, out, options=ExportOptions(contexts=(64, 128), prefill_len=16))
+    export_family(smollm2_loaded, out, options=ExportOptions(contexts=(64, 128), prefill_len=16, verify_lens=(4, 8)))
     return out
 
 

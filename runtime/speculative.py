@@ -1,0 +1,113 @@
+"""Speculative decoding on static graphs: drafts verified in the AR=N graph's otherwise padded rows.
+
+A step feeds the last sampled token plus up to N-1 draft tokens to the smallest verify graph that
+holds them. The model writes their K/V into the slot rows right after the window; `commit(m)`
+keeps the accepted ones and rejected rows are overwritten by the next step, never copied.
+Acceptance follows speculative sampling (Leviathan et al.): accept a draft token x with
+probability min(1, p(x)/q(x)); on rejection, draw from the normalised positive part of p - q.
+With greedy sampling p is one-hot, so this is exact-match and the output equals plain greedy.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from .sampling import SamplingParams, distribution
+
+if TYPE_CHECKING:
+    from .generator import Generator
+
+
+class Drafter(Protocol):
+    def propose(self, context: list[int], num_tokens: int, *, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
+        """Up to num_tokens draft tokens after context, and their proposal distributions q (None: point masses)."""
+
+
+@dataclass
+class DraftLength:
+    """BASS's Algorithm 1 (l0 = 7, l_incre = 2, l_mod = 10, l_limit = 32), or a fixed length."""
+    initial: int = 7
+    increment: int = 2
+    modulus: int = 10
+    limit: int = 32
+    fixed: bool = False
+    current: int = field(init=False)
+    _decreasing: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.current = self.initial
+
+    def update(self, num_accepted: int) -> None:
+        if self.fixed:
+            return
+        if num_accepted >= self.current:
+            self.current = min(self.current + self.increment, self.limit)
+            self._decreasing = 0
+        else:
+            shrunk = self.current - math.ceil(self.current / self.modulus) - self._decreasing
+            self.current = max(1, num_accepted, shrunk)
+            self._decreasing = 1
+
+
+@dataclass
+class SpeculationStats:
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.size - 1))
+
+
+class Speculator:
+    def __init__(self, drafter: Drafter, *, length: DraftLength | None = None) -> None:
+        self.drafter = drafter
+        self.length = length or DraftLength()
+        self.stats = SpeculationStats()
+
+    def step(self, gen: Generator, params: SamplingParams) -> list[int] | None:
+        """One draft-and-verify step after gen's pending token; the new tokens, or None to decode plainly."""
+        engine, last = gen.engine, gen.pending_token
+        if last is None or not engine.verify_lens:
+            return None
+        context = gen.tokens + [last]
+        max_draft = min(self.length.current, engine.verify_lens[-1] - 1)
+        draft, proposals = self.drafter.propose(context, max_draft, params=params, rng=gen.rng)
+        while draft and engine.verify_len(len(draft) + 1) is None:
+            draft = draft[:-1]  # near the end of the ladder a shorter verify graph may still fit
+        if not draft:
+            return None
+        logits = engine.verify([last, *draft])  # [n, V]: row i predicts the token after input i
+        accepted: list[int] = []
+        nxt = None
+        for i, token in enumerate(draft):
+            p = distribution(logits[i], params, history=context + accepted)
+            q = proposals[i] if proposals is not None else None
+            q_token = q[token] if q is not None else 1.0
+            if gen.rng.random() * q_token < p[token]:  # accept with probability min(1, p/q)
+                accepted.append(token)
+                continue
+            residual = np.maximum(p - q, 0.0) if q is not None else p.copy()
+            if q is None:
+                residual[token] = 0.0
+            nxt = _draw(residual, gen.rng) if residual.sum() > 0 else _draw(p, gen.rng)
+            break
+        if nxt is None:  # every draft accepted: the last row gives a bonus token for free
+            nxt = _draw(distribution(logits[len(draft)], params, history=context + accepted), gen.rng)
+        engine.commit(1 + len(accepted))
+        gen.commit_speculated(last, accepted, nxt)
+        self.length.update(len(accepted))
+        self.stats.num_steps += 1
+        self.stats.num_drafted += len(draft)
+        self.stats.num_accepted += len(accepted)
+        return [*accepted, nxt]
