@@ -104,6 +104,10 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = options.num_threads or physical_cores()
     so.inter_op_num_threads = 1
+    # A family has many sessions, each with its own pool. A pool that spins after its run steals the cores
+    # from the next graph's pool (measured: decode -9% when verify and decode graphs alternate); no spinning
+    # costs nothing measurable on decode here.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
     path = Path(model_path)
     if device is Device.HTP:

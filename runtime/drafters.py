@@ -16,7 +16,7 @@ class PromptLookupDrafter:
     continuation of the most recent earlier occurrence of the last n tokens is a cheap, good draft.
     """
 
-    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 2) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

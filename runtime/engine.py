@@ -33,6 +33,8 @@ class StepCounters:
     num_decode_steps: int = 0
     num_verify_steps: int = 0
     num_verify_rows: int = 0  # rows the verify graphs computed (real drafts + padding)
+    num_verify_tokens: int = 0  # of which real tokens
+    verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -65,6 +67,7 @@ class Engine:
         self.rope = RopeTable(head_dim=cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.max_positions)
         self._runners: dict[str, GraphRunner] = {}
         self._token = np.zeros(1, np.int64)
+        self._verify_time: dict[int, tuple[int, float]] = {}  # AR -> (steps, seconds)
         self._shared_weights = (SharedWeights(self.model_dir / self.manifest.weights_file)
                                 if self.device is Device.CPU and options.share_weights else None)
         self.counters = StepCounters()
@@ -79,9 +82,12 @@ class Engine:
         return self._runners[entry.name]
 
     def warm_up(self) -> None:
-        """Open the first rung's sessions now, so the first answer's TTFT is not a load time."""
+        """Open and run the first rung's graphs once now, so no answer pays for loading or first-run setup."""
+        if self.num_cached:
+            return
         for entry in (self._decode[0], *self._prefill[:1], *(ladder[0] for ladder in self._verify.values())):
-            self.runner(entry)
+            self._run(entry, self._token)  # writes only slot rows past the (empty) valid region
+            self.kv.advance(0)
 
     def load_all(self) -> None:
         for entry in self.manifest.graphs:
@@ -142,8 +148,20 @@ class Engine:
         logits = self._run(self._rung(self._verify[ar], self.num_cached), ids)[:ids.size]
         self.counters.num_verify_steps += 1
         self.counters.num_verify_rows += ar
-        self.counters.decode_seconds += time.perf_counter() - t0
+        self.counters.num_verify_tokens += ids.size
+        seconds = time.perf_counter() - t0
+        self.counters.verify_seconds += seconds
+        count, total = self._verify_time.get(ar, (0, 0.0))
+        self._verify_time[ar] = (count + 1, total + seconds)
         return logits
+
+    def verify_cost_ratio(self, ar: int | None) -> float | None:
+        """Measured time of an AR-row verify step over a decode step (None until both were seen)."""
+        count, total = self._verify_time.get(ar, (0, 0.0))
+        decode = self.counters
+        if not count or decode.num_decode_steps < 2 or ar is None:
+            return None
+        return (total / count) / (decode.decode_seconds / decode.num_decode_steps)
 
     def commit(self, num_tokens: int) -> None:
         """Keep the first num_tokens rows the last verify wrote."""

@@ -70,10 +70,29 @@ def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, *, length: DraftLength | None = None) -> None:
+    """Drafts, verifies, accepts; and only speculates while it pays.
+
+    A verify step costs more than a decode step (here AR=8 is ~1.5x), so drafts that are rarely
+    accepted (open chat with prompt lookup) would make decoding slower. The expected tokens per step
+    under the running acceptance rate a, (1 - a^(k+1)) / (1 - a), is weighed against the measured cost
+    ratio of the verify graph; when it does not pay, plain decoding runs and a probe every
+    `probe_every` steps keeps the estimate fresh.
+    """
+
+    def __init__(self, drafter: Drafter, *, length: DraftLength | None = None, probe_every: int = 8) -> None:
         self.drafter = drafter
         self.length = length or DraftLength()
         self.stats = SpeculationStats()
+        self.probe_every = probe_every
+        self._acceptance = 0.6  # prior: optimistic, so speculation gets tried
+        self._num_skipped = 0
+
+    def _pays(self, engine, num_draft: int) -> bool:
+        ratio = engine.verify_cost_ratio(engine.verify_len(num_draft + 1))
+        if ratio is None:
+            return True
+        a = min(self._acceptance, 0.999)
+        return (1 - a ** (num_draft + 1)) / (1 - a) > ratio
 
     def step(self, gen: Generator, params: SamplingParams) -> list[int] | None:
         """One draft-and-verify step after gen's pending token; the new tokens, or None to decode plainly."""
@@ -87,6 +106,10 @@ class Speculator:
             draft = draft[:-1]  # near the end of the ladder a shorter verify graph may still fit
         if not draft:
             return None
+        if not self._pays(engine, len(draft)):
+            self._num_skipped += 1
+            if self._num_skipped % self.probe_every:
+                return None
         logits = engine.verify([last, *draft])  # [n, V]: row i predicts the token after input i
         accepted: list[int] = []
         nxt = None
@@ -107,6 +130,7 @@ class Speculator:
         engine.commit(1 + len(accepted))
         gen.commit_speculated(last, accepted, nxt)
         self.length.update(len(accepted))
+        self._acceptance = 0.8 * self._acceptance + 0.2 * len(accepted) / len(draft)
         self.stats.num_steps += 1
         self.stats.num_drafted += len(draft)
         self.stats.num_accepted += len(accepted)
