@@ -29,6 +29,8 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep decoding to --max-new-tokens (benchmarks)")
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--speculate", default="none", help="speculative decoding: none (default), lookup or draft:DIR")
+    p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: BASS's dynamic one)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export a model to a static-shape ONNX graph family")
     e.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file, a HF checkpoint dir or hub id")
     e.add_argument("--context", default=None, help="context sizes, e.g. 256,512,1024,2048")
-    e.add_argument("--prefill-len", type=int, default=None, help="AR of the prefill/verify graph (default 64)")
+    e.add_argument("--prefill-len", type=int, default=None, help="AR of the prefill graph (default 64)")
+    e.add_argument("--draft-layers", type=int, default=None,
+                   help="export only the first K layers: a draft model for --speculate draft:DIR")
+    e.add_argument("--verify-lens", default=None,
+                   help="extra AR=N graphs for speculative verification (default 4,8,16; 'none' for none)")
     e.add_argument("--out", type=Path, default=None, help="output directory")
     e.add_argument("--quiet", action="store_true")
     g = sub.add_parser("generate", help="generate text for one prompt")
@@ -57,7 +63,8 @@ def _run_options(args):
     from .common import RunOptions
 
     return RunOptions(model_dir=args.model, device=args.device, num_threads=args.threads, soc_model=args.soc_model,
-                      kv_strategy=args.kv_strategy, kv_reserve=args.kv_reserve, overflow=args.on_overflow)
+                      kv_strategy=args.kv_strategy, kv_reserve=args.kv_reserve, overflow=args.on_overflow,
+                      speculate=args.speculate, draft_len=args.draft_len)
 
 
 def _generation_params(args):
@@ -76,7 +83,8 @@ def dispatch(args) -> int:
         from .common import DEFAULT_MODEL, default_model_dir
 
         out = args.out or (default_model_dir() if args.model == DEFAULT_MODEL else Path(Path(args.model).stem + "-staticlm"))
-        run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len, quiet=args.quiet)
+        run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len,
+                   verify_lens=args.verify_lens, draft_layers=args.draft_layers, quiet=args.quiet)
         return 0
     if args.command == "generate":
         from .cmd_generate import run_generate
