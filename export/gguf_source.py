@@ -9,7 +9,7 @@ import numpy as np
 from .config import ModelConfig, UnsupportedModel
 from .gguf_file import GGUFFile
 from .gguf_tokenizer import build_tokenizer
-from .sources import LoadedModel, ModelSourceError, UnsupportedSource
+from .sources import LoadedModel, ModelSourceError, UnsupportedSource, required_weight_names
 
 # llama.cpp tensor suffix -> HF module path inside model.layers.{i}.
 _LAYER_NAMES = {
@@ -90,7 +90,7 @@ def _weights(gf: GGUFFile, config: ModelConfig) -> dict[str, np.ndarray]:
         elif name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, config.num_kv_heads)
         weights[hf] = w
-    missing = [n for n in _required_names(config) if n not in weights]
+    missing = [n for n in required_weight_names(config) if n not in weights]
     if missing:
         raise ModelSourceError(f"{gf.path.name}: missing tensor for {missing[0]} ({len(missing)} missing)")
     return weights
@@ -118,12 +118,3 @@ def _hf_name(name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
     return None
-
-
-def _required_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{module}.weight" for module in _LAYER_NAMES.values()]
-    return names

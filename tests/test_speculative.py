@@ -1,7 +1,6 @@
 """Speculative decoding: greedy output identical to plain greedy; sampling matches the target's distribution."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
