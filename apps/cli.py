@@ -17,6 +17,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-strategy", default="pointer", help="pointer (default), shift, concat or bmc")
     p.add_argument("--kv-reserve", type=float, default=2.0, help="KV buffer rows as a multiple of S-1 (default 2.0)")
     p.add_argument("--on-overflow", default="error", help="when the context is full: error or slide")
+    p.add_argument("--prepack", action="store_true",
+                   help="let batched/verify/prefill graphs keep repacked weights: faster, one weight copy each")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -42,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefill-len", type=int, default=None, help="AR of the prefill graph (default 64)")
     e.add_argument("--draft-layers", type=int, default=None,
                    help="export only the first K layers: a draft model for --speculate draft:DIR")
+    e.add_argument("--batch-sizes", default=None,
+                   help="batched decode graphs for --num-responses (default 4; 'none' for none)")
     e.add_argument("--verify-lens", default=None,
                    help="extra AR=N graphs for speculative verification (default 4,8,16; 'none' for none)")
     e.add_argument("--out", type=Path, default=None, help="output directory")
@@ -51,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", dest="chat", action="store_true", default=True, help="wrap the prompt in the chat template (default)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
     g.add_argument("--json", action="store_true", help="print one JSON object with the tokens and timings")
+    g.add_argument("--num-responses", type=int, default=1,
+                   help="several answers to the prompt, decoded together in batched graphs")
     _add_run_options(g)
     _add_sampling_options(g)
     c = sub.add_parser("chat", help="chat in the terminal")
@@ -64,7 +70,7 @@ def _run_options(args):
 
     return RunOptions(model_dir=args.model, device=args.device, num_threads=args.threads, soc_model=args.soc_model,
                       kv_strategy=args.kv_strategy, kv_reserve=args.kv_reserve, overflow=args.on_overflow,
-                      speculate=args.speculate, draft_len=args.draft_len)
+                      speculate=args.speculate, draft_len=args.draft_len, prepack=args.prepack)
 
 
 def _generation_params(args):
@@ -84,7 +90,17 @@ def dispatch(args) -> int:
 
         out = args.out or (default_model_dir() if args.model == DEFAULT_MODEL else Path(Path(args.model).stem + "-staticlm"))
         run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len,
-                   verify_lens=args.verify_lens, draft_layers=args.draft_layers, quiet=args.quiet)
+                   verify_lens=args.verify_lens, batch_sizes=args.batch_sizes, draft_layers=args.draft_layers,
+                   quiet=args.quiet)
+        return 0
+    if args.command == "generate" and args.num_responses != 1:
+        from .cmd_generate_batch import run_generate_batch
+
+        if args.speculate != "none":
+            raise ValueError("--num-responses does not combine with --speculate yet")
+        run_generate_batch(prompt=args.prompt, run=_run_options(args), params=_generation_params(args),
+                           num_responses=args.num_responses, chat=args.chat, system_prompt=args.system,
+                           as_json=args.json)
         return 0
     if args.command == "generate":
         from .cmd_generate import run_generate

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from staticlm.export.family import (DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, DEFAULT_VERIFY_LENS, ExportOptions,
-                                   export_family, num_steps)
+from staticlm.export.family import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, DEFAULT_VERIFY_LENS,
+                                   ExportOptions, export_family, num_steps)
 from staticlm.export.sources import load_model
 
 
@@ -34,13 +34,25 @@ def parse_verify_lens(text: str | None, *, prefill_len: int) -> tuple[int, ...]:
         raise ValueError(f"--verify-lens takes comma-separated integers or 'none', got {text!r}") from None
 
 
+def parse_batch_sizes(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return DEFAULT_BATCH_SIZES
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"--batch-sizes takes comma-separated integers or 'none', got {text!r}") from None
+
+
 def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | None,
-               prefill_len: int | None, verify_lens: str | None = None, draft_layers: int | None = None,
-               quiet: bool = False) -> Path:
+               prefill_len: int | None, verify_lens: str | None = None, batch_sizes: str | None = None,
+               draft_layers: int | None = None, quiet: bool = False) -> Path:
     ctx = contexts if isinstance(contexts, tuple) else parse_contexts(contexts)
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
     options = ExportOptions(contexts=ctx, prefill_len=prefill_len,
-                            verify_lens=parse_verify_lens(verify_lens, prefill_len=prefill_len))
+                            verify_lens=parse_verify_lens(verify_lens, prefill_len=prefill_len),
+                            batch_sizes=parse_batch_sizes(batch_sizes))
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), disable=quiet, transient=False) as progress:

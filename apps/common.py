@@ -45,6 +45,7 @@ class RunOptions:
     overflow: str = "error"
     speculate: str = "none"  # none, lookup or draft:DIR
     draft_len: int | None = None  # fixed draft length; None for BASS's dynamic one
+    prepack: bool = False  # multi-row graphs keep their own repacked weights: speed for memory
 
 
 def ensure_default_model(*, quiet: bool = False) -> Path:
@@ -80,7 +81,8 @@ def open_engine(opts: RunOptions) -> Engine:
     if opts.num_threads is not None and opts.num_threads < 1:
         raise UserError(f"--threads must be >= 1, got {opts.num_threads}")
     options = EngineOptions(device=device, kv_strategy=_enum(Strategy, opts.kv_strategy, "KV strategy"),
-                            kv_reserve=opts.kv_reserve, overflow=_enum(Overflow, opts.overflow, "overflow policy"))
+                            kv_reserve=opts.kv_reserve, overflow=_enum(Overflow, opts.overflow, "overflow policy"),
+                            prepack=opts.prepack)
     engine = Engine(opts.model_dir or ensure_default_model(), options=options)
     engine.warm_up()
     return engine

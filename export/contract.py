@@ -12,7 +12,7 @@ from .config import ModelConfig
 
 
 class KVLayout(str, Enum):
-    PER_HEAD = "per_head"  # one [B, 1, P, D] tensor per (layer, KV head, K|V)
+    PER_HEAD = "per_head"  # one [1, 1, P, D] tensor per (layer, KV head, K|V) and sequence
 
 
 class Role(str, Enum):
@@ -39,16 +39,17 @@ class TensorSpec:
     shape: tuple[int, ...]
     layer: int | None = None
     kv_head: int | None = None
+    seq: int | None = None  # batched graphs: which sequence's KV (each sequence has its own buffer window)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "role": self.role.value, "dtype": self.dtype,
-                "shape": list(self.shape), "layer": self.layer, "kv_head": self.kv_head}
+        return {"name": self.name, "role": self.role.value, "dtype": self.dtype, "shape": list(self.shape),
+                "layer": self.layer, "kv_head": self.kv_head, "seq": self.seq}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TensorSpec":
         return cls(name=d["name"], role=Role(d["role"]), dtype=d["dtype"],
                    shape=tuple(int(x) for x in d["shape"]), layer=d.get("layer"),
-                   kv_head=d.get("kv_head"))
+                   kv_head=d.get("kv_head"), seq=d.get("seq"))
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,9 @@ class GraphShape:
         return self.past_len + self.ar
 
 
-def kv_name(role: Role, layer: int, kv_head: int) -> str:
-    return f"{role.value}_{layer}_h{kv_head}"
+def kv_name(role: Role, layer: int, kv_head: int, seq: int | None = None) -> str:
+    """past_key_3_h1; in a batched graph each sequence has its own: past_key_3_h1_s2."""
+    return f"{role.value}_{layer}_h{kv_head}" + ("" if seq is None else f"_s{seq}")
 
 
 def kv_tensor_index(*, layer: int, kv_head: int, is_value: bool, num_kv_heads: int) -> int:
@@ -88,9 +90,15 @@ def graph_io(config: ModelConfig, shape: GraphShape, *, kv_dtype: str = "float32
         TensorSpec("attention_bias", Role.ATTENTION_BIAS, float_dtype, (b, 1, ar, p + ar)),  # [B, 1, AR, P+AR]
     ]
     outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, ar, config.vocab_size))]  # [B, AR, V]
+    # Batched graphs take one KV tensor per sequence: each sequence's window sits at its own `end` in the
+    # kv_manager's buffer, so B windows are never one contiguous [B, 1, P, D] block.
+    seqs = [None] if b == 1 else list(range(b))
     for layer in range(config.num_layers):
         for h in range(config.num_kv_heads):
             for past, new in ((Role.PAST_KEY, Role.NEW_KEY), (Role.PAST_VALUE, Role.NEW_VALUE)):
-                inputs.append(TensorSpec(kv_name(past, layer, h), past, kv_dtype, (b, 1, p, d), layer, h))  # [B, 1, P, D]
-                outputs.append(TensorSpec(kv_name(new, layer, h), new, kv_dtype, (b, 1, ar, d), layer, h))  # [B, 1, AR, D]
+                for seq in seqs:
+                    inputs.append(TensorSpec(kv_name(past, layer, h, seq), past, kv_dtype, (1, 1, p, d),
+                                             layer, h, seq))  # [1, 1, P, D]
+                    outputs.append(TensorSpec(kv_name(new, layer, h, seq), new, kv_dtype, (1, 1, ar, d),
+                                              layer, h, seq))  # [1, 1, AR, D]
     return tuple(inputs), tuple(outputs)

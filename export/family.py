@@ -21,6 +21,7 @@ TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_CONTEXTS = (256, 512, 1024, 2048)
 DEFAULT_PREFILL_LEN = 64
 DEFAULT_VERIFY_LENS = (4, 8, 16)
+DEFAULT_BATCH_SIZES = (4,)
 
 
 class ExportError(ValueError):
@@ -32,7 +33,7 @@ class ExportOptions:
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     prefill_len: int = DEFAULT_PREFILL_LEN
     verify_lens: tuple[int, ...] = DEFAULT_VERIFY_LENS  # extra AR=N graphs sized for speculative verification
-    batch: int = 1
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES  # batched decode graphs, for several responses at once
 
     def validate(self, max_positions: int) -> None:
         if not self.contexts:
@@ -47,15 +48,18 @@ class ExportOptions:
         for n in self.verify_lens:
             if not 2 <= n < self.prefill_len:
                 raise ExportError(f"verify length {n} must be in [2, prefill length {self.prefill_len})")
-        if self.batch < 1:
-            raise ExportError(f"batch must be >= 1, got {self.batch}")
+        for b in self.batch_sizes:
+            if not 2 <= b <= 64:
+                raise ExportError(f"batch size {b} must be in [2, 64] (batch 1 is always exported)")
 
     def shapes(self) -> list[tuple[str, GraphKind, GraphShape]]:
         out = []
         for s in sorted(set(self.contexts)):
-            out.append((f"decode_s{s}", GraphKind.DECODE, GraphShape(self.batch, 1, s - 1)))
+            out.append((f"decode_s{s}", GraphKind.DECODE, GraphShape(1, 1, s - 1)))
+            for b in sorted(set(self.batch_sizes)):
+                out.append((f"decode_s{s}_b{b}", GraphKind.DECODE, GraphShape(b, 1, s - 1)))
             for ar in sorted({*self.verify_lens, self.prefill_len}):
-                out.append((f"prefill_s{s}_ar{ar}", GraphKind.PREFILL, GraphShape(self.batch, ar, s - ar)))
+                out.append((f"prefill_s{s}_ar{ar}", GraphKind.PREFILL, GraphShape(1, ar, s - ar)))
         return out
 
 

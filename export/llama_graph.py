@@ -85,25 +85,35 @@ class LlamaGraph:
         q = self.rope(self.heads(q, c.num_heads), cos, sin)  # [B, H, AR, D]
         k = self.rope(self.heads(k, c.num_kv_heads), cos, sin)  # [B, Hkv, AR, D]
         v = self.heads(v, c.num_kv_heads)
+        if s.batch == 1:
+            o = self.sequence_attention(layer, None, q, k, v, bias)
+        else:  # each sequence attends over its own window (its own KV inputs); the matmuls above stay batched
+            parts = [g.op("Split", t, g.const([1] * s.batch), axis=0, num_outputs=s.batch) for t in (q, k, v, bias)]
+            o = g.op("Concat", *[self.sequence_attention(layer, b, *(p[b] for p in parts))
+                                 for b in range(s.batch)], axis=0)  # [B, H, AR, D]
+        o = g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.const([s.batch, s.ar, hd]))
+        return g.op("MatMul", o, g.weight(f"l{layer}.o"))
+
+    def sequence_attention(self, layer: int, seq: int | None, q: str, k: str, v: str, bias: str) -> str:
+        """One sequence: q [1, H, AR, D], k/v [1, Hkv, AR, D], bias [1, 1, AR, P+AR] -> [1, H, AR, D]."""
+        g, c, s = self.g, self.c, self.s
         hkv = c.num_kv_heads
-        new_k = [kv_name(Role.NEW_KEY, layer, h) for h in range(hkv)]
-        new_v = [kv_name(Role.NEW_VALUE, layer, h) for h in range(hkv)]
-        g.op("Split", k, g.const([1] * hkv), axis=1, outputs=new_k)  # each [B, 1, AR, D]
+        new_k = [kv_name(Role.NEW_KEY, layer, h, seq) for h in range(hkv)]
+        new_v = [kv_name(Role.NEW_VALUE, layer, h, seq) for h in range(hkv)]
+        g.op("Split", k, g.const([1] * hkv), axis=1, outputs=new_k)  # each [1, 1, AR, D]
         g.op("Split", v, g.const([1] * hkv), axis=1, outputs=new_v)
         q_groups = [q] if hkv == 1 else g.op("Split", q, g.const([c.group_size] * hkv), axis=1, num_outputs=hkv)
         outs = []
         for h in range(hkv):  # builds per-KV-head attention; not a runtime loop
-            qh = q_groups[h]  # [B, g, AR, D]
-            past_k, past_v = kv_name(Role.PAST_KEY, layer, h), kv_name(Role.PAST_VALUE, layer, h)
-            s_past = g.op("MatMul", qh, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [B, g, AR, P]
-            s_new = g.op("MatMul", qh, g.op("Transpose", new_k[h], perm=[0, 1, 3, 2]))  # [B, g, AR, AR]
-            scores = g.op("Add", g.op("Concat", s_past, s_new, axis=-1), bias)  # [B, g, AR, P + AR]
+            qh = q_groups[h]  # [1, g, AR, D]
+            past_k, past_v = kv_name(Role.PAST_KEY, layer, h, seq), kv_name(Role.PAST_VALUE, layer, h, seq)
+            s_past = g.op("MatMul", qh, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [1, g, AR, P]
+            s_new = g.op("MatMul", qh, g.op("Transpose", new_k[h], perm=[0, 1, 3, 2]))  # [1, g, AR, AR]
+            scores = g.op("Add", g.op("Concat", s_past, s_new, axis=-1), bias)  # [1, g, AR, P + AR]
             probs = g.op("Softmax", scores, axis=-1)
             p_past, p_new = g.op("Split", probs, g.const([s.past_len, s.ar]), axis=-1, num_outputs=2)
             outs.append(g.op("Add", g.op("MatMul", p_past, past_v), g.op("MatMul", p_new, new_v[h])))
-        o = outs[0] if hkv == 1 else g.op("Concat", *outs, axis=1)  # [B, H, AR, D]
-        o = g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.const([s.batch, s.ar, hd]))
-        return g.op("MatMul", o, g.weight(f"l{layer}.o"))
+        return outs[0] if hkv == 1 else g.op("Concat", *outs, axis=1)  # [1, H, AR, D]
 
     def mlp(self, layer: int, x: str) -> str:
         g, i = self.g, self.c.intermediate_size

@@ -80,8 +80,14 @@ class Manifest:
     def max_context(self) -> int:
         return max(g.shape.context for g in self.graphs)
 
-    def graphs_of(self, kind: GraphKind) -> tuple[GraphEntry, ...]:
-        return tuple(sorted((g for g in self.graphs if g.kind == kind), key=lambda g: g.shape.past_len))
+    def graphs_of(self, kind: GraphKind, *, batch: int = 1) -> tuple[GraphEntry, ...]:
+        """The ladder of one kind and batch size, smallest past window first."""
+        return tuple(sorted((g for g in self.graphs if g.kind == kind and g.shape.batch == batch),
+                            key=lambda g: g.shape.past_len))
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({g.shape.batch for g in self.graphs}))
 
     def to_dict(self) -> dict:
         st = self.special_tokens

@@ -137,6 +137,22 @@ class KVCache:
         self.ends[:] = self._initial_end()
         self._prepared_ar = 0
 
+    def valid_block(self, seq: int) -> np.ndarray:
+        """[T, length, D] view of one sequence's committed rows, every tensor."""
+        end = int(self.ends[seq])
+        return self._buf[:, seq, end - int(self.lengths[seq]):end]
+
+    def load(self, seq: int, rows: np.ndarray) -> None:
+        """Make rows [T, n, D] an empty sequence's cache (a shared prompt's KV for several responses)."""
+        num_rows = rows.shape[1]
+        if self.lengths[seq] or num_rows > self.spec.max_past or rows.shape[0] != self.spec.num_tensors:
+            raise ValueError(f"cannot load {rows.shape} rows into sequence {seq} of {self.spec}")
+        end = int(self.ends[seq])
+        self._buf[:, seq, end - num_rows:end] = rows
+        self.lengths[seq] = num_rows
+        self.stats.copied_rows += num_rows
+        self.stats.copied_bytes += rows.nbytes
+
     def valid_rows(self, tensor: int, seq: int) -> np.ndarray:
         """[length, D] view of the committed rows (for tests and inspection)."""
         end = int(self.ends[seq])

@@ -25,6 +25,7 @@ class EngineOptions:
     overflow: Overflow = Overflow.ERROR
     bmc_r: int | None = None
     share_weights: bool = True  # one weight mapping for all CPU sessions (see shared_weights.py)
+    prepack: bool = False  # multi-row graphs keep a repacked weight copy each: faster batches/verify, more memory
 
 
 @dataclass
@@ -40,19 +41,26 @@ class StepCounters:
 
 
 class Engine:
-    """Owns the sessions (created lazily, per rung) and one KV cache for one sequence."""
+    """Owns the sessions (created lazily, per rung) and one KV cache: one sequence, or `batch` of them.
 
-    def __init__(self, model_dir: str | Path, *, options: EngineOptions = EngineOptions()) -> None:
+    A batched engine decodes B sequences per call (batched graphs, one KV window per sequence); it has no
+    prefill graphs of its own and starts from a prompt another engine prefilled (`load_prefix`).
+    """
+
+    def __init__(self, model_dir: str | Path, *, options: EngineOptions = EngineOptions(), batch: int = 1,
+                 weights_from: Engine | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.manifest: Manifest = load_manifest(self.model_dir)
         self.options = options
         self.device = resolve_device(options.device.device)
         cfg = self.manifest.model
         self.config = cfg
-        self._decode = self.manifest.graphs_of(GraphKind.DECODE)
-        multi = self.manifest.graphs_of(GraphKind.PREFILL)
+        self.batch = batch
+        self._decode = self.manifest.graphs_of(GraphKind.DECODE, batch=batch)
+        multi = self.manifest.graphs_of(GraphKind.PREFILL, batch=batch)
         if not self._decode:
-            raise ValueError(f"{self.model_dir} has no decode graph")
+            raise ValueError(f"{self.model_dir} has no decode graph for batch {batch}: export it with "
+                             f"--batch-sizes {batch}" if batch > 1 else f"{self.model_dir} has no decode graph")
         self.max_context = self._decode[-1].shape.context
         self.prefill_len = max((g.shape.ar for g in multi), default=1)
         self._prefill = tuple(g for g in multi if g.shape.ar == self.prefill_len)  # prompt chunks
@@ -62,14 +70,18 @@ class Engine:
         self.kv = make_kv_cache(
             KVSpec(num_tensors=num_kv_tensors(cfg), head_dim=cfg.head_dim, dtype=self.manifest.kv_dtype,
                    max_past=self._decode[-1].shape.past_len, max_ar=max(self.prefill_len, 1),
-                   max_positions=cfg.max_positions, reserve=options.kv_reserve, overflow=options.overflow),
+                   max_positions=cfg.max_positions, reserve=options.kv_reserve, overflow=options.overflow,
+                   batch=batch),
             options.kv_strategy, bmc_r=options.bmc_r)
         self.rope = RopeTable(head_dim=cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.max_positions)
         self._runners: dict[str, GraphRunner] = {}
         self._token = np.zeros(1, np.int64)
         self._verify_time: dict[int, tuple[int, float]] = {}  # AR -> (steps, seconds)
-        self._shared_weights = (SharedWeights(self.model_dir / self.manifest.weights_file)
-                                if self.device is Device.CPU and options.share_weights else None)
+        if weights_from is not None:
+            self._shared_weights = weights_from._shared_weights  # one mapping per process, not per engine
+        else:
+            self._shared_weights = (SharedWeights(self.model_dir / self.manifest.weights_file)
+                                    if self.device is Device.CPU and options.share_weights else None)
         self.counters = StepCounters()
 
     # -- graphs -------------------------------------------------------------------------
@@ -77,7 +89,8 @@ class Engine:
         if entry.name not in self._runners:
             session = create_session(self.model_dir / entry.file, device=self.device,
                                      options=self.options.device, cache_dir=self.model_dir / ".qnn_cache",
-                                     shared_weights=self._shared_weights)
+                                     shared_weights=self._shared_weights,
+                                     prepack=self.options.prepack and entry.shape.batch * entry.shape.ar > 1)
             self._runners[entry.name] = GraphRunner(session, entry, num_kv_heads=self.config.num_kv_heads)
         return self._runners[entry.name]
 
@@ -90,7 +103,7 @@ class Engine:
             self.kv.advance(0)
 
     def load_all(self) -> None:
-        for entry in self.manifest.graphs:
+        for entry in (*self._decode, *(g for ladder in self._verify.values() for g in ladder)):
             self.runner(entry)
 
     @staticmethod
@@ -104,27 +117,31 @@ class Engine:
     # -- steps --------------------------------------------------------------------------
     @property
     def num_cached(self) -> int:
-        return int(self.kv.lengths[0])
+        """Rows cached (the longest sequence's, in a batch)."""
+        return int(self.kv.lengths.max())
 
     def _run(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
-        """Run AR rows (len(tokens) <= AR real ones, the rest padding) without committing; logits [AR, V]."""
-        shape, num_real = entry.shape, len(tokens)
+        """Run AR rows (n <= AR real ones per sequence, the rest padding) without committing; logits [B, AR, V].
+
+        tokens: [n] for one sequence or [B, n].
+        """
+        shape, num_real = entry.shape, tokens.shape[-1]
         self.kv.prepare(past_len=shape.past_len, ar=shape.ar)
         run = self.runner(entry)
-        run.input_ids[0, :num_real] = tokens
-        run.input_ids[0, num_real:] = 0
+        run.input_ids[:, :num_real] = tokens
+        run.input_ids[:, num_real:] = 0
         positions = self.kv.positions[:, None] + run.row_offsets  # [B, AR]
         self.rope.fill(positions, cos_out=run.rope_cos, sin_out=run.rope_sin)
         attention_bias(lengths=self.kv.lengths, past_len=shape.past_len, ar=shape.ar, out=run.attention_bias)
         run.bind_kv(self.kv.window_addresses(shape.past_len), self.kv.slot_addresses(shape.ar))
         run.run()
-        return run.logits[0]
+        return run.logits
 
     def _step(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
         """Run and commit every real row; the last real token's logits [V]."""
         logits = self._run(entry, tokens)
         self.kv.advance(len(tokens))
-        return logits[len(tokens) - 1]
+        return logits[0, len(tokens) - 1]
 
     def verify_len(self, num_tokens: int) -> int | None:
         """The smallest exported AR that takes num_tokens rows at the current length (None: none fits)."""
@@ -145,7 +162,7 @@ class Engine:
             raise ValueError(f"no verify graph takes {ids.size} tokens at {self.num_cached} cached")
         self.check_room(ids.size)
         t0 = time.perf_counter()
-        logits = self._run(self._rung(self._verify[ar], self.num_cached), ids)[:ids.size]
+        logits = self._run(self._rung(self._verify[ar], self.num_cached), ids)[0, :ids.size]
         self.counters.num_verify_steps += 1
         self.counters.num_verify_rows += ar
         self.counters.num_verify_tokens += ids.size
@@ -209,6 +226,24 @@ class Engine:
         self.counters.num_decode_steps += 1
         self.counters.decode_seconds += time.perf_counter() - t0
         return logits
+
+    # -- batches ------------------------------------------------------------------------
+    def load_prefix(self, source: Engine) -> None:
+        """Start every sequence from source's cached rows: one copy per request, never per token."""
+        self.reset()
+        rows = source.kv.valid_block(0)  # [T, n, D] view
+        for seq in range(self.batch):
+            self.kv.load(seq, rows)
+
+    def decode_batch(self, token_ids: np.ndarray, *, active: np.ndarray) -> np.ndarray:
+        """One token per sequence in, logits [B, V] out; finished (inactive) sequences commit nothing."""
+        self.check_room(1)
+        t0 = time.perf_counter()
+        logits = self._run(self._rung(self._decode, int(self.kv.lengths.max())), token_ids.reshape(self.batch, 1))
+        self.kv.advance(active.astype(np.int64))
+        self.counters.num_decode_steps += 1
+        self.counters.decode_seconds += time.perf_counter() - t0
+        return logits[:, 0]
 
     def truncate(self, num_tokens: int) -> None:
         """Rewind the cache to its first num_tokens rows (no re-prefill of what stays)."""

@@ -15,9 +15,9 @@ from staticlm.export.manifest import GraphEntry
 
 
 def _kv_order(specs, roles, num_kv_heads: int):
-    """KV specs sorted by kv_tensor_index: (layer, head, K then V)."""
+    """KV specs in the kv_manager's [T, B] address order: kv_tensor_index (layer, head, K then V), then sequence."""
     kv = [s for s in specs if s.role in roles]
-    return sorted(kv, key=lambda s: ((s.layer * num_kv_heads + s.kv_head) * 2 + (s.role == roles[1])))
+    return sorted(kv, key=lambda s: ((s.layer * num_kv_heads + s.kv_head) * 2 + (s.role == roles[1]), s.seq or 0))
 
 
 class GraphRunner:
@@ -55,13 +55,11 @@ class GraphRunner:
         self._binding.bind_input(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
 
     def bind_kv(self, window_addresses: np.ndarray, slot_addresses: np.ndarray) -> None:
-        """Point every past input at its window and every new output at its slot (B = 1 per tensor)."""
-        if self.shape.batch != 1:
-            raise NotImplementedError("batched graphs bind per-sequence tensors; see the batch runner")
+        """Point every past input at its window and every new output at its slot; addresses are [T, B]."""
         bind_in, bind_out, dev = self._binding.bind_input, self._binding.bind_output, self._cpu
-        for (name, dtype, shape), addr in zip(self._kv_inputs, window_addresses[:, 0].tolist()):
+        for (name, dtype, shape), addr in zip(self._kv_inputs, window_addresses.ravel().tolist()):
             bind_in(name, dev, dtype, shape, addr)
-        for (name, dtype, shape), addr in zip(self._kv_outputs, slot_addresses[:, 0].tolist()):
+        for (name, dtype, shape), addr in zip(self._kv_outputs, slot_addresses.ravel().tolist()):
             bind_out(name, dev, dtype, shape, addr)
         self.bound_kv_inputs, self.bound_kv_outputs = window_addresses, slot_addresses
 

@@ -19,6 +19,16 @@ def _session(path):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+def _batched(feeds: dict, batch: int) -> dict:
+    out = {}
+    for name, value in feeds.items():
+        if name.startswith(("past_key_", "past_value_")):
+            out.update({f"{name}_s{b}": value for b in range(batch)})
+        else:
+            out[name] = np.concatenate([value] * batch, axis=0)
+    return out
+
+
 def check_family_against_reference(family_dir, model, *, num_steps: int, rng) -> int:
     """Runs each graph for num_steps consecutive steps; returns the number of steps compared."""
     manifest = load_manifest(family_dir)
@@ -36,19 +46,24 @@ def check_family_against_reference(family_dir, model, *, num_steps: int, rng) ->
             ids = rng.integers(0, cfg.vocab_size, size=(1, ar))
             feeds = graph_feeds(model, cache=cache, ids=ids, past_len=past_len,
                                 num_kv_heads=cfg.num_kv_heads, num_layers=cfg.num_layers)
+            batch = entry.shape.batch
+            if batch > 1:  # the same stream in every sequence, each with its own KV inputs and outputs
+                feeds = _batched(feeds, batch)
             outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
             num_before = cache.get_seq_length()
             ref_logits, cache = hf_step(model, ids, cache)
-            np.testing.assert_allclose(outs["logits"], ref_logits, atol=LOGITS_ATOL, rtol=0,
-                                       err_msg=f"{entry.name} logits")
+            for seq in range(batch):
+                np.testing.assert_allclose(outs["logits"][seq:seq + 1], ref_logits, atol=LOGITS_ATOL, rtol=0,
+                                           err_msg=f"{entry.name} logits")
             for layer in range(cfg.num_layers):
                 keys, values = cache_kv(cache, layer)
                 for h in range(cfg.num_kv_heads):
                     for name, ref in ((f"new_key_{layer}_h{h}", keys), (f"new_value_{layer}_h{h}", values)):
                         want = ref[0, h, num_before:num_before + ar]
-                        got = outs[name][0, 0]
                         scale = np.abs(want).max()
-                        assert np.abs(got - want).max() <= KV_RTOL * scale + 1e-6, f"{entry.name} {name}"
+                        for seq_name in ([name] if batch == 1 else [f"{name}_s{b}" for b in range(batch)]):
+                            got = outs[seq_name][0, 0]
+                            assert np.abs(got - want).max() <= KV_RTOL * scale + 1e-6, f"{entry.name} {seq_name}"
             compared += 1
     return compared
 
@@ -65,9 +80,12 @@ def test_family_shapes_are_static_and_kv_contract_holds(tiny_family):
         names = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
         outs = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.output}
         s = entry.shape
-        assert names["past_key_0_h0"] == [1, 1, s.past_len, 16]
-        assert outs["new_value_1_h1"] == [1, 1, s.ar, 16]  # only the new rows go out
-        assert outs["logits"] == [1, s.ar, 260]
+        suffixes = [""] if s.batch == 1 else [f"_s{b}" for b in range(s.batch)]  # batched: one per sequence
+        for suffix in suffixes:
+            assert names[f"past_key_0_h0{suffix}"] == [1, 1, s.past_len, 16]
+            assert outs[f"new_value_1_h1{suffix}"] == [1, 1, s.ar, 16]  # only the new rows go out
+        assert len([n for n in names if n.startswith("past_")]) == 2 * 2 * 2 * s.batch
+        assert outs["logits"] == [s.batch, s.ar, 260]
         if entry.kind is GraphKind.DECODE:
             assert s.ar == 1 and s.past_len == s.context - 1
         # every graph references the one shared weight file, nothing inline but small constants

@@ -121,3 +121,47 @@ def test_smollm2_answers_paris(smollm2_family):
     session = open_chat(engine_for(smollm2_family))
     text = "".join(session.send("What is the capital of France?", GenerationParams(max_new_tokens=32)))
     assert "Paris" in text
+
+
+# -- batches: several sequences, ragged, one call per step ---------------------------------------------------
+def test_tiny_batched_decode_with_ragged_sequences_matches_transformers(tiny_chat_family, tiny_hf_model, rng):
+    import torch
+
+    prompt = plain_ids(tiny_chat_family, "shared prompt")
+    single = engine_for(tiny_chat_family)
+    single.prefill(prompt)
+    batch = Engine(tiny_chat_family, options=single.options, batch=4, weights_from=single)
+    batch.load_prefix(single)
+    # Each sequence gets its own tokens; sequence 2 pauses (masked) on odd steps, so lengths are ragged.
+    streams = [rng.integers(0, 256, 12).tolist() for _ in range(4)]
+    fed = [[] for _ in range(4)]
+    for step in range(12):
+        active = np.array([not (seq == 2 and step % 2) for seq in range(4)])
+        tokens = np.array([streams[seq][len(fed[seq])] for seq in range(4)])
+        logits = batch.decode_batch(tokens, active=active).copy()
+        for seq in np.flatnonzero(active):
+            fed[seq].append(int(tokens[seq]))
+            with torch.no_grad():
+                want = tiny_hf_model(torch.tensor([prompt + fed[seq]])).logits[0, -1].numpy()
+            np.testing.assert_allclose(logits[seq], want, atol=1e-3, err_msg=f"sequence {seq} step {step}")
+    assert list(batch.kv.lengths) == [len(prompt) + len(f) for f in fed]
+    assert batch.kv.lengths[2] < batch.kv.lengths[0]  # ragged
+    # one copy of the prompt per sequence at the start, nothing per token
+    bytes_per_row = batch.kv.spec.num_tensors * batch.kv.spec.head_dim * 4
+    assert batch.kv.stats.copied_bytes == 4 * len(prompt) * bytes_per_row
+
+
+def test_tiny_num_responses_cli(tiny_chat_family):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "staticlm.apps.cli", "generate", "--model", str(tiny_chat_family),
+                          "--prompt", "hi", "--num-responses", "4", "--max-new-tokens", "6", "--ignore-eos",
+                          "--temperature", "1.0", "--seed", "3", "--json", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.splitlines()[-1])
+    assert [len(r["token_ids"]) for r in summary["responses"]] == [6] * 4
+    assert len({tuple(r["token_ids"]) for r in summary["responses"]}) > 1  # sampled independently
+    assert summary["new_tokens"] == 24 and summary["total_tok_s"] > 0

@@ -1,0 +1,109 @@
+"""Several responses to one prompt: the prompt is prefilled once, then B sequences decode together.
+
+Every batched step reads the weights once for all B sequences; each sequence keeps its own KV window
+(its own `end` in the kv_manager's buffer), so lengths are ragged. A finished sequence's row is masked:
+it commits nothing more and its output is ignored, and its response is final as soon as it ends.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .detokenizer import StreamDecoder
+from .engine import Engine
+from .generator import FinishReason, GenerationParams
+from .sampling import sample
+from .stopping import StopStringMatcher
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class Response:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    first_token_s: float  # since the request started
+    last_token_s: float
+
+
+class _Stream:
+    """One response's text state: detokenizer, stop strings, pieces."""
+
+    def __init__(self, tokenizer: Tokenizer, params: GenerationParams) -> None:
+        self.decoder, self.stopper = StreamDecoder(tokenizer), StopStringMatcher(params.stop_strings)
+        self.ids: list[int] = []
+        self.pieces: list[str] = []
+        self.reason: FinishReason | None = None
+        self.first_s = self.last_s = 0.0
+
+    def push(self, token: int, *, eos: set[int], params: GenerationParams, now: float) -> str:
+        if not self.ids:
+            self.first_s = now
+        self.ids.append(token)
+        self.last_s = now
+        if token in eos and not params.ignore_eos:
+            self.reason = FinishReason.EOS
+            return self._finish()
+        text, stopped = self.stopper.push(self.decoder.push(token))
+        if stopped:
+            self.reason = FinishReason.STOP_STRING
+        elif len(self.ids) >= params.max_new_tokens:
+            self.reason = FinishReason.LENGTH
+            text += self._finish()
+        self.pieces.append(text)
+        return text
+
+    def _finish(self) -> str:
+        tail, _ = self.stopper.push(self.decoder.flush())
+        tail += self.stopper.flush()
+        self.pieces.append(tail)
+        return tail
+
+
+class BatchGenerator:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, num_responses: int) -> None:
+        if num_responses < 2:
+            raise ValueError(f"--num-responses must be >= 2 for a batch, got {num_responses}")
+        self.engine, self.tokenizer = engine, tokenizer
+        self.batch = Engine(engine.model_dir, options=engine.options, batch=num_responses, weights_from=engine)
+        self.rng = np.random.default_rng()
+
+    def generate(self, prompt_ids: list[int], params: GenerationParams, *,
+                 on_text: Callable[[int, str], None] = lambda seq, text: None,
+                 should_stop: Callable[[], bool] = lambda: False) -> list[Response]:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if params.sampling.seed is not None:
+            self.rng = np.random.default_rng(params.sampling.seed)
+        t0 = time.perf_counter()
+        num = self.batch.batch
+        self.engine.reset()
+        logits = self.engine.prefill(prompt_ids)
+        self.batch.load_prefix(self.engine)
+        eos = set(self.tokenizer.eos_token_ids)
+        streams = [_Stream(self.tokenizer, params) for _ in range(num)]
+        tokens = np.array([sample(logits, params.sampling, rng=self.rng, history=prompt_ids) for _ in range(num)],
+                          np.int64)
+        active = np.ones(num, bool)
+        while True:
+            now = time.perf_counter() - t0
+            for seq in np.flatnonzero(active).tolist():
+                text = streams[seq].push(int(tokens[seq]), eos=eos, params=params, now=now)
+                if text:
+                    on_text(seq, text)
+                if streams[seq].reason is not None:
+                    active[seq] = False
+            if not active.any():
+                break
+            if should_stop():
+                for seq in np.flatnonzero(active).tolist():
+                    streams[seq].reason = FinishReason.CANCELLED
+                break
+            out = self.batch.decode_batch(tokens, active=active)  # [B, V]
+            for seq in np.flatnonzero(active).tolist():
+                tokens[seq] = sample(out[seq], params.sampling, rng=self.rng, history=prompt_ids + streams[seq].ids)
+        return [Response(token_ids=s.ids, text="".join(s.pieces), finish_reason=s.reason,
+                         first_token_s=s.first_s, last_token_s=s.last_s) for s in streams]
