@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--verify-lens", default=None,
                    help="extra AR=N graphs for speculative verification (default 4,8,16; 'none' for none)")
     e.add_argument("--out", type=Path, default=None, help="output directory")
+    e.add_argument("--target", default=None, help="htp: quantized QDQ family for the Qualcomm NPU; cpu: MatMulNBits "
+                   "4/8-bit weights for the CPU EP (default: float)")
+    e.add_argument("--weight-bits", type=int, default=None, help="with --target cpu: 4 (default) or 8")
+    e.add_argument("--quant", default=None, help="with --target htp: w8a16 (default), w4a16, or kv (KV only)")
+    e.add_argument("--kv-bits", type=int, default=None, help="with --target htp: KV I/O bits, 16 (default) or 8")
+    e.add_argument("--calib-steps", type=int, default=None, help="with --target htp: recorded steps to calibrate on")
     e.add_argument("--quiet", action="store_true")
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)
@@ -62,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="chat in the terminal")
     _add_run_options(c)
     _add_sampling_options(c)
+    v = sub.add_parser("eval", help="accuracy of a (quantized) family against the float one: agreement, perplexity")
+    v.add_argument("--model", type=Path, required=True, help="the family to evaluate")
+    v.add_argument("--reference", type=Path, default=None, help="the float family (default: the embedded SmolLM2)")
+    v.add_argument("--text", type=Path, default=None, help="held-out text (default: the shipped English text)")
+    v.add_argument("--max-tokens", type=int, default=None, help="teacher-forced tokens (default: the whole text)")
+    v.add_argument("--answers", type=int, default=3, help="greedy chat answers shown side by side (default 3)")
+    v.add_argument("--device", default="cpu", help="cpu (default) or htp")
+    v.add_argument("--json", action="store_true")
+    a = sub.add_parser("app", help="the desktop chat window (the terminal chat where there is no display)")
+    _add_run_options(a)
+    _add_sampling_options(a)
+    # Options not typed stay unset, so only what was typed overrides the window's saved settings.
+    for action in a._actions:
+        action.default = argparse.SUPPRESS
     return parser
 
 
@@ -83,6 +103,12 @@ def _generation_params(args):
                                 repetition_penalty=args.repetition_penalty, seed=args.seed))
 
 
+def _quant_args(args) -> dict:
+    """--target htp and its options, only when typed (run_export's defaults otherwise)."""
+    names = ("target", "quant", "kv_bits", "calib_steps", "weight_bits")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
 def dispatch(args) -> int:
     if args.command == "export":
         from .cmd_export import run_export
@@ -91,8 +117,13 @@ def dispatch(args) -> int:
         out = args.out or (default_model_dir() if args.model == DEFAULT_MODEL else Path(Path(args.model).stem + "-staticlm"))
         run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len,
                    verify_lens=args.verify_lens, batch_sizes=args.batch_sizes, draft_layers=args.draft_layers,
-                   quiet=args.quiet)
+                   quiet=args.quiet, **_quant_args(args))
         return 0
+    if args.command == "eval":
+        from .cmd_eval import run_eval
+
+        return run_eval(model=args.model, reference=args.reference, text=args.text, max_tokens=args.max_tokens,
+                        num_answers=args.answers, device=args.device, as_json=args.json)
     if args.command == "generate" and args.num_responses != 1:
         from .cmd_generate_batch import run_generate_batch
 
@@ -112,6 +143,13 @@ def dispatch(args) -> int:
         from .terminal_chat import run_chat
 
         return run_chat(run=_run_options(args), params=_generation_params(args), system_prompt=args.system)
+    if args.command == "app":
+        from .gui_app import launch
+
+        typed = {k: v for k, v in vars(args).items() if k != "command"}
+        full = argparse.Namespace(**{**vars(build_parser().parse_args(["chat"])), **typed})  # chat's defaults
+        return launch(run=_run_options(full), params=_generation_params(full), system_prompt=full.system,
+                      overrides=typed)
     raise AssertionError(args.command)
 
 

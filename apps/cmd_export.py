@@ -45,14 +45,47 @@ def parse_batch_sizes(text: str | None) -> tuple[int, ...]:
         raise ValueError(f"--batch-sizes takes comma-separated integers or 'none', got {text!r}") from None
 
 
+def parse_quant_options(*, target: str | None, quant: str | None, kv_bits: int | None, calib_steps: int | None):
+    """QuantOptions for --target htp; None for the float family. Quantization options without it are an error."""
+    if target is None or target.lower() == "float":
+        if quant is not None or kv_bits is not None or calib_steps is not None:
+            raise ValueError("--quant, --kv-bits and --calib-steps need --target htp")
+        return None
+    if target.lower() != "htp":
+        raise ValueError(f"unknown --target {target!r}: choose htp, cpu or float (the default)")
+    from staticlm.export.quant_params import KVBits, Quant, QuantOptions
+
+    try:
+        q = Quant((quant or "w8a16").lower())
+        bits = KVBits(kv_bits or 16)
+    except ValueError:
+        raise ValueError(f"--quant takes w8a16, w4a16 or kv and --kv-bits 16 or 8, got {quant!r}, {kv_bits!r}") from None
+    if q is Quant.FLOAT:
+        raise ValueError("--quant float is the default export: leave out --target htp")
+    return QuantOptions(quant=q, kv_bits=bits, **({"calib_steps": calib_steps} if calib_steps is not None else {}))
+
+
 def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | None,
                prefill_len: int | None, verify_lens: str | None = None, batch_sizes: str | None = None,
-               draft_layers: int | None = None, quiet: bool = False) -> Path:
+               draft_layers: int | None = None, quiet: bool = False, target: str | None = None,
+               quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
+               weight_bits: int | None = None) -> Path:
     ctx = contexts if isinstance(contexts, tuple) else parse_contexts(contexts)
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
     options = ExportOptions(contexts=ctx, prefill_len=prefill_len,
                             verify_lens=parse_verify_lens(verify_lens, prefill_len=prefill_len),
                             batch_sizes=parse_batch_sizes(batch_sizes))
+    if (target or "").lower() == "cpu" or weight_bits is not None:  # MatMulNBits graphs (cmd_export_cpu.py)
+        from .cmd_export_cpu import run_export_cpu
+
+        return run_export_cpu(model=model, out_dir=out_dir, options=options, target=target, weight_bits=weight_bits,
+                              other_options=(quant, kv_bits, calib_steps), draft_layers=draft_layers, quiet=quiet)
+    quant_options = parse_quant_options(target=target, quant=quant, kv_bits=kv_bits, calib_steps=calib_steps)
+    if quant_options is not None:
+        from .cmd_export_htp import run_export_htp
+
+        return run_export_htp(model=model, out_dir=out_dir, options=options, quant=quant_options,
+                              draft_layers=draft_layers, quiet=quiet)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), disable=quiet, transient=False) as progress:

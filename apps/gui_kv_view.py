@@ -1,16 +1,16 @@
 """The live KV buffer view: capacity, the graph's window over it, the valid rows, the slot being written,
 and the end pointer's history with a red mark at each compaction.
 
-`kv_snapshot(engine)` reads a few integers from the kv_manager cache (no array is touched); the worker takes
-one per token, between steps, and the panel paints it.
+`KVProbe(engine).snapshot()` reads a few integers from the kv_manager cache (no array is touched); the worker
+takes one per token, between steps, and the panel paints it.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-from PySide6.QtCore import QRectF, QSize, Qt
-from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen
+from PySide6.QtCore import QPointF, QRectF, QSize, Qt
+from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen, QPolygonF
 from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 HISTORY = 600  # end-pointer samples kept for the strip
@@ -26,7 +26,7 @@ class KVSnapshot:
     end: int  # the end pointer: the next row to write
     length: int  # valid (committed) rows
     window: int  # P of the graph that runs next (the context ladder's rung)
-    slot: int  # AR rows the next step writes at `end`
+    slot: int  # rows the next decode step writes at `end`
     max_context: int
     compactions: int
     copied_rows: int
@@ -42,27 +42,27 @@ class KVSnapshot:
         return self.end - self.length
 
 
-def _int(value) -> int:
-    try:
-        return int(value[0]) if hasattr(value, "__len__") else int(value)
-    except TypeError:
-        return int(value)
+class KVProbe:
+    """Reads the kv_manager's counters for one engine: a handful of integers, never a buffer."""
 
+    def __init__(self, engine) -> None:
+        from staticlm.export.manifest import GraphKind
 
-def kv_snapshot(engine, *, ar: int = 1) -> KVSnapshot:
-    """A handful of integers from the engine's kv cache; no copy of any buffer."""
-    kv = engine.kv
-    length = _int(kv.lengths)
-    end = _int(kv.ends) if hasattr(kv, "ends") else length
-    capacity = int(getattr(kv, "capacity", 0) or 0) or max(end + ar, int(kv.spec.max_past) + ar)
-    graphs = engine._decode if ar == 1 else engine._prefill or engine._decode
-    window = int(engine._rung(graphs, length).shape.past_len)
-    s = kv.stats
-    strategy = getattr(getattr(engine, "options", None), "kv_strategy", "")
-    return KVSnapshot(strategy=str(getattr(strategy, "value", strategy)), capacity=capacity, end=end,
-                      length=length, window=window, slot=ar, max_context=int(engine.max_context),
-                      compactions=int(s.num_compactions), copied_rows=int(s.copied_rows),
-                      copied_bytes=int(s.copied_bytes), reserved_bytes=int(s.reserved_bytes))
+        self.engine = engine
+        # The decode ladder's windows, smallest first: the engine runs the smallest that holds every row.
+        self.windows = tuple(sorted(g.shape.past_len for g in engine.manifest.graphs_of(GraphKind.DECODE)))
+        self.strategy = engine.options.kv_strategy.value
+
+    def window_for(self, length: int) -> int:
+        return next((w for w in self.windows if w >= length), self.windows[-1])
+
+    def snapshot(self) -> KVSnapshot:
+        kv = self.engine.kv
+        length, s = int(kv.lengths[0]), kv.stats
+        return KVSnapshot(strategy=self.strategy, capacity=int(kv.capacity), end=int(kv.ends[0]), length=length,
+                          window=self.window_for(length), slot=1, max_context=int(self.engine.max_context),
+                          compactions=int(s.num_compactions), copied_rows=int(s.copied_rows),
+                          copied_bytes=int(s.copied_bytes), reserved_bytes=int(s.reserved_bytes))
 
 
 def _bytes(n: int) -> str:
@@ -137,8 +137,13 @@ class KVBufferCanvas(QWidget):
         p.drawRect(QRectF(left, top, right - left, bar_h))
         p.setPen(C_TEXT)
         p.drawText(QRectF(left, top + bar_h + 4, 60, 14), Qt.AlignmentFlag.AlignLeft, "0")
-        p.drawText(QRectF(right - 60, top + bar_h + 4, 60, 14), Qt.AlignmentFlag.AlignRight, str(s.capacity))
-        p.drawText(QRectF(x(s.end) - 40, top + bar_h + 4, 80, 14), Qt.AlignmentFlag.AlignHCenter, f"end {s.end}")
+        end_label = QRectF(x(s.end) - 40, top + bar_h + 4, 80, 14)
+        if end_label.right() < right - 40:  # the capacity is in the title too: the end pointer's label wins
+            p.drawText(QRectF(right - 60, top + bar_h + 4, 60, 14), Qt.AlignmentFlag.AlignRight, str(s.capacity))
+        else:
+            end_label.moveRight(right)
+        p.drawText(end_label, Qt.AlignmentFlag.AlignRight if end_label.right() >= right else
+                   Qt.AlignmentFlag.AlignHCenter, f"end {s.end}")
 
         # legend
         ly = top + bar_h + 22
@@ -170,14 +175,10 @@ class KVBufferCanvas(QWidget):
                 mx = left + (m - first) * dx
                 p.drawLine(int(mx), int(st), int(mx), int(st + sh))
         p.setPen(QPen(C_VALID, 1.5))
-        prev = None
-        for i, e in enumerate(self.ends):
-            pt = (left + i * dx, st + sh - (min(e, s.capacity) / s.capacity) * (sh - 2) - 1)
-            if prev is not None:
-                p.drawLine(int(prev[0]), int(prev[1]), int(pt[0]), int(pt[1]))
-            prev = pt
+        p.drawPolyline(QPolygonF([QPointF(left + i * dx, st + sh - 1 - min(e, s.capacity) / s.capacity * (sh - 2))
+                                  for i, e in enumerate(self.ends)]))
         p.setPen(QColor("#868e96"))
-        p.drawText(QRectF(left + 4, st + 1, right - left - 8, 14), Qt.AlignmentFlag.AlignLeft,
+        p.drawText(QRectF(left + 4, st + sh - 15, right - left - 8, 14), Qt.AlignmentFlag.AlignRight,
                    "end pointer per token")
         p.end()
 

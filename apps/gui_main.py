@@ -1,27 +1,31 @@
-"""The desktop chat window and `run_app()`, the entry point of `staticlm app`."""
+"""The desktop chat window: conversation, input, buttons, status bar, the KV view and the history panel.
+
+The window never runs the model: every request goes to the GenerationWorker's thread as a queued signal and
+comes back as one; `busy` is true from a request until its answer (or failure) arrives.
+"""
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
-from PySide6.QtCore import QThread, Qt, Signal
-from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QMainWindow,
-                               QProgressDialog, QPushButton, QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtCore import QMetaObject, QThread, Qt, Signal
+from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLabel, QMainWindow, QProgressDialog, QPushButton,
+                               QSplitter, QVBoxLayout, QWidget)
 
 from .gui_chat_view import ChatInput, ChatView
 from .gui_history import Conversation, ConversationStore
+from .gui_history_panel import HistoryPanel
 from .gui_kv_view import KVPanel
-from .gui_settings import AppSettings, SettingsDialog, load_settings, save_settings
-from .gui_worker import GenerationWorker
+from .gui_settings import AppSettings, SettingsDialog, save_settings
+from .gui_worker import AnswerSummary, GenerationWorker, LoadedInfo, Tick
 
 BANNER = {"error": "background:#fff5f5; color:#c92a2a; border:1px solid #ffc9c9",
           "warning": "background:#fff9db; color:#8d6e00; border:1px solid #ffe066"}
 
 
 class MainWindow(QMainWindow):
-    _req_load = Signal(object)
+    _req_load = Signal(object, list)
     _req_send = Signal(str, object)
     _req_regenerate = Signal(object)
-    _req_reset = Signal()
     _req_restore = Signal(list)
 
     def __init__(self, settings: AppSettings | None = None, *, store: ConversationStore | None = None,
@@ -34,13 +38,12 @@ class MainWindow(QMainWindow):
         self.store = store or ConversationStore()
         self.conv = Conversation()
         self.messages: list[dict] = []
-        self.busy = False  # a request is running in the worker
+        self.busy = False
         self.model_ready = False
         self.detected = ""
-        self.last_summary = None
+        self.last_summary: AnswerSummary | None = None
         self._request_conv: Conversation | None = None
         self._pending_text = ""
-        self._ttft_live = 0.0
         self._progress: QProgressDialog | None = None
         self._build()
         self._start_worker()
@@ -48,20 +51,10 @@ class MainWindow(QMainWindow):
 
     # -- layout ----------------------------------------------------------------------------------
     def _build(self) -> None:
-        self.history = QListWidget()
-        self.history.itemActivated.connect(self._open_item)
-        self.history.itemClicked.connect(self._open_item)
-        self.new_button, self.delete_button = QPushButton("New chat"), QPushButton("Delete")
-        self.new_button.clicked.connect(self.new_chat)
-        self.delete_button.clicked.connect(self.delete_selected)
-        left = QWidget()
-        lv = QVBoxLayout(left)
-        lv.addWidget(QLabel("<b>Conversations</b>"))
-        lv.addWidget(self.history, 1)
-        row = QHBoxLayout()
-        row.addWidget(self.new_button)
-        row.addWidget(self.delete_button)
-        lv.addLayout(row)
+        self.history = HistoryPanel()
+        self.history.opened.connect(self.open_conversation)
+        self.history.new_requested.connect(self.new_chat)
+        self.history.delete_requested.connect(self.delete_conversation)
 
         self.banner = QLabel()
         self.banner.setWordWrap(True)
@@ -97,26 +90,30 @@ class MainWindow(QMainWindow):
         rv.addStretch(1)
 
         split = QSplitter(Qt.Orientation.Horizontal)
-        for w in (left, center, right):
+        for w in (self.history, center, right):
             split.addWidget(w)
-        split.setSizes([220, 620, 340])
+        split.setSizes([220, 600, 360])
         self.setCentralWidget(split)
 
         self.status_ttft, self.status_rate = QLabel("TTFT –"), QLabel("– tok/s")
         self.status_ctx, self.status_device = QLabel("context –"), QLabel("no model")
-        for w in (self.status_ttft, self.status_rate, self.status_ctx, self.status_device):
+        metrics = self.fontMetrics()
+        for w, widest in ((self.status_ttft, "TTFT 00000 ms"), (self.status_rate, "0000.0 tok/s"),
+                          (self.status_ctx, "context 000000 / 000000"), (self.status_device, "")):
+            w.setMinimumWidth(metrics.horizontalAdvance(widest) + 8)  # live numbers must not push the bar around
             self.statusBar().addPermanentWidget(w)
         self._update_buttons()
 
     def _start_worker(self) -> None:
         self.thread_ = QThread(self)
         self.worker = GenerationWorker()
+        self.stop_flag = self.worker.stop_flag  # shared: set from here, read by the worker before every token
+        # Python owns the worker (no deleteLater: Qt deleting a Python-owned object frees it twice); shutdown()
+        # hands it back to this thread before its own thread ends.
         self.worker.moveToThread(self.thread_)
-        self.thread_.finished.connect(self.worker.deleteLater)
         self._req_load.connect(self.worker.load)
         self._req_send.connect(self.worker.send)
         self._req_regenerate.connect(self.worker.regenerate)
-        self._req_reset.connect(self.worker.reset)
         self._req_restore.connect(self.worker.restore)
         w = self.worker
         w.progress.connect(self._on_progress)
@@ -131,11 +128,16 @@ class MainWindow(QMainWindow):
 
     # -- model -------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Load the model (exporting the default one on first run), in the worker, with progress."""
+        """Load the model (exporting the default one on first run) in the worker, with progress."""
+        self._load(self.settings)
+
+    def _load(self, settings: AppSettings) -> None:
+        if self.busy:
+            self.stop_flag.set()  # the load is queued behind the answer being stopped
         self.model_ready, self.busy = False, True
-        self.worker.stop_flag.clear()
+        self.status_device.setText("loading…")
         self._update_buttons()
-        self._req_load.emit(self.settings)
+        self._req_load.emit(settings, list(self.messages))
 
     def _on_progress(self, what: str, done: int, total: int) -> None:
         self.statusBar().showMessage(what)
@@ -146,7 +148,7 @@ class MainWindow(QMainWindow):
             self._progress.setMinimumDuration(0)
             self._progress.setAutoClose(False)
             self._progress.setAutoReset(False)
-            self._progress.canceled.connect(self.worker.stop_flag.set)
+            self._progress.canceled.connect(self.stop_flag.set)
         self._progress.setLabelText(what)
         self._progress.setRange(0, total)
         self._progress.setValue(done)
@@ -154,37 +156,38 @@ class MainWindow(QMainWindow):
 
     def _close_progress(self) -> None:
         if self._progress is not None:
+            self._progress.canceled.disconnect()
             self._progress.close()
             self._progress.deleteLater()
             self._progress = None
 
-    def _on_loaded(self, info: dict) -> None:
+    def _on_loaded(self, info: LoadedInfo) -> None:
         self._close_progress()
         self.model_ready, self.busy = True, False
-        self.detected = info["detected"]
-        self.status_device.setText(f"{info['device']} · {info['model']}")
-        self.status_ctx.setText(f"context {info['snapshot'].length} / {info['max_context']}")
-        self.kv_panel.push(info["snapshot"])
-        self.statusBar().showMessage(f"Loaded {info['model_dir']} on {info['device']}", 5000)
+        self.detected = info.detected
+        self.status_device.setText(f"{info.device} · {Path(info.model).name or info.model}")
+        self.status_device.setToolTip(f"{info.model}\n{info.model_dir}")
+        self.status_ctx.setText(f"context {info.snapshot.length} / {info.max_context}")
+        self.kv_panel.push(info.snapshot)
+        self.statusBar().showMessage(f"Loaded {info.model_dir} on {info.device}", 5000)
         self._update_buttons()
 
     def _on_load_failed(self, message: str) -> None:
         self._close_progress()
         self.model_ready, self.busy = False, False
         self.status_device.setText("no model")
-        self.show_banner(f"Could not load the model: {message} (choose another in Settings)", "error")
+        self.show_banner(f"Could not load the model: {message} Choose another in Settings.", "error")
         self._update_buttons()
 
     def apply_settings(self, new: AppSettings) -> None:
         old, self.settings = self.settings, new
         if self.persist_settings:
-            save_settings(new)
+            try:
+                save_settings(new)
+            except OSError as e:
+                self.show_banner(f"Could not save the settings: {e}", "warning")
         if old.needs_reload(new) or not self.model_ready:
-            if self.busy:
-                self.worker.stop_flag.set()  # the reload is queued behind the answer being stopped
-            self.model_ready, self.busy = False, True
-            self._update_buttons()
-            self._req_load.emit(new)
+            self._load(new)
 
     def open_settings(self) -> None:
         dialog = SettingsDialog(self.settings, detected=self.detected, parent=self)
@@ -212,28 +215,26 @@ class MainWindow(QMainWindow):
         self._req_regenerate.emit(self.settings)
 
     def _begin_request(self) -> None:
-        self.busy, self._ttft_live = True, 0.0
+        self.busy = True
         self._request_conv = self.conv
-        self.worker.stop_flag.clear()
+        self.stop_flag.clear()
         self.status_ttft.setText("TTFT …")
         self._update_buttons()
 
     def stop(self) -> None:
-        self.worker.stop_flag.set()
+        self.stop_flag.set()
 
-    def _on_tick(self, snap, count: int, elapsed: float) -> None:
-        self.kv_panel.push(snap)
-        self.status_ctx.setText(f"context {snap.length} / {snap.max_context}")
-        if count == 1:
-            self._ttft_live = elapsed
-            self.status_ttft.setText(f"TTFT {elapsed * 1000:.0f} ms")
-        elif count > 1 and elapsed > self._ttft_live:
-            self.status_rate.setText(f"{(count - 1) / (elapsed - self._ttft_live):.1f} tok/s")
+    def _on_tick(self, t: Tick) -> None:
+        self.kv_panel.push(t.snapshot)
+        self.status_ctx.setText(f"context {t.snapshot.length} / {t.snapshot.max_context}")
+        if t.ttft_s is not None:
+            self.status_ttft.setText(f"TTFT {t.ttft_s * 1000:.0f} ms")
+        if t.decode_tok_s is not None:
+            self.status_rate.setText(f"{t.decode_tok_s:.1f} tok/s")
 
-    def _on_answer(self, s) -> None:
+    def _on_answer(self, s: AnswerSummary) -> None:
         self.busy, self.last_summary = False, s
-        stopped = s.finish_reason == "cancelled"
-        self.view.end_stream("stopped" if stopped else "")
+        self.view.end_stream("stopped" if s.finish_reason == "cancelled" else "")
         self.status_ttft.setText(f"TTFT {s.ttft_s * 1000:.0f} ms")
         self.status_rate.setText(f"{s.decode_tok_s:.1f} tok/s")
         self.status_ctx.setText(f"context {s.context_used} / {s.max_context}")
@@ -258,27 +259,42 @@ class MainWindow(QMainWindow):
         if snap is not None:
             self.kv_panel.push(snap)
             self.status_ctx.setText(f"context {snap.length} / {snap.max_context}")
-        self.messages = list(messages)
-        self.view.end_stream()
-        self.view.set_messages(self.messages)
         self.busy = False
         self._update_buttons()
 
     def new_chat(self) -> None:
         self._switch_to(Conversation())
 
+    def open_conversation(self, conv_id: str) -> None:
+        if conv_id == self.conv.id:
+            return
+        conv = self.store.load(conv_id)
+        if conv is None:  # deleted or corrupt meanwhile: the refresh shows why
+            self.refresh_history()
+            return
+        self._switch_to(conv)
+
     def _switch_to(self, conv: Conversation) -> None:
         if self.busy and not self.model_ready:
-            return  # loading: the conversation switch waits for the model
+            return  # loading: the switch waits for the model
         if self.busy:
-            self.worker.stop_flag.set()  # the restore runs right after the stopped answer
+            self.stop_flag.set()  # the restore runs right after the stopped answer
         self.conv = conv
         self.messages = list(conv.messages)
         self.view.end_stream()
         self.view.set_messages(self.messages)
-        self.busy = True
+        self.hide_banner()
+        self.busy = self.model_ready
         self._update_buttons()
-        self._req_restore.emit(list(conv.messages))
+        if self.model_ready:
+            self._req_restore.emit(list(conv.messages))
+        self.refresh_history()
+
+    def delete_conversation(self, conv_id: str) -> None:
+        self.store.delete(conv_id)
+        if conv_id == self.conv.id:
+            self.new_chat()
+        self.refresh_history()
 
     def copy_last_answer(self) -> None:
         answer = next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), None)
@@ -299,36 +315,10 @@ class MainWindow(QMainWindow):
         self.refresh_history()
 
     def refresh_history(self) -> None:
-        self.history.clear()
-        for conv in self.store.list():
-            item = QListWidgetItem(conv.display_title)
-            item.setData(Qt.ItemDataRole.UserRole, conv.id)
-            self.history.addItem(item)
-            if conv.id == self.conv.id:
-                item.setSelected(True)
+        self.history.show_conversations(self.store.list(), current_id=self.conv.id)
         warnings = self.store.take_warnings()
         if warnings:
             self.show_banner(" ".join(warnings), "warning")
-
-    def _open_item(self, item: QListWidgetItem) -> None:
-        conv_id = item.data(Qt.ItemDataRole.UserRole)
-        if conv_id == self.conv.id:
-            return
-        conv = self.store.load(conv_id)
-        if conv is None:
-            self.refresh_history()
-            return
-        self._switch_to(conv)
-
-    def delete_selected(self) -> None:
-        item = self.history.currentItem()
-        if item is None:
-            return
-        conv_id = item.data(Qt.ItemDataRole.UserRole)
-        self.store.delete(conv_id)
-        if conv_id == self.conv.id:
-            self.new_chat()
-        self.refresh_history()
 
     # -- misc ------------------------------------------------------------------------------------
     def show_banner(self, text: str, kind: str = "error") -> None:
@@ -348,8 +338,13 @@ class MainWindow(QMainWindow):
         self.copy_button.setEnabled(any(m["role"] == "assistant" for m in self.messages))
 
     def shutdown(self) -> None:
-        """Stop the answer (within one token) and wait for the worker thread: a clean exit."""
-        self.worker.stop_flag.set()
+        """Stop the answer (within one token) or the load (within one step), then end the thread."""
+        if not self.thread_.isRunning():
+            return
+        self.worker.closing.set()
+        self.stop_flag.set()
+        # Queued behind whatever runs now (which stops at its next check), so nothing in flight is cut off.
+        QMetaObject.invokeMethod(self.worker, "release", Qt.ConnectionType.BlockingQueuedConnection)
         self.thread_.quit()
         self.thread_.wait()
 
@@ -357,23 +352,3 @@ class MainWindow(QMainWindow):
         self.shutdown()
         self._close_progress()
         super().closeEvent(event)
-
-
-def run_app(argv: list[str] | None = None) -> int:
-    app = QApplication.instance() or QApplication(list(argv) if argv is not None else sys.argv[:1])
-    app.setApplicationName("staticlm")
-    settings, warning = load_settings()
-    window = MainWindow(settings, persist_settings=True)
-    if warning:
-        window.show_banner(warning, "warning")
-    window.show()
-    window.start()
-    try:
-        return app.exec()
-    finally:
-        if window.thread_.isRunning():
-            window.shutdown()
-
-
-if __name__ == "__main__":
-    sys.exit(run_app())

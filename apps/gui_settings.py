@@ -4,23 +4,25 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
                                QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout,
                                QWidget)
 
+from staticlm.kv_manager import Overflow, Strategy
+from staticlm.runtime.device import Device
+
 from .gui_history import atomic_write_text
 
-DEVICES = ("auto", "cpu", "htp")
-OVERFLOW_POLICIES = ("error", "slide")
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 
 @dataclass(frozen=True)
 class AppSettings:
     model_dir: str = ""  # empty: the default model (exported on first run)
-    device: str = "auto"
+    device: Device = Device.AUTO
     temperature: float = 0.7
     top_p: float = 0.9
     top_k: int = 0
@@ -28,8 +30,8 @@ class AppSettings:
     max_new_tokens: int = 512
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     kv_reserve: float = 2.0
-    overflow: str = "slide"
-    kv_strategy: str = "pointer"
+    overflow: Overflow = Overflow.SLIDE  # a chat app keeps talking; the CLI's default is to refuse
+    kv_strategy: Strategy = Strategy.POINTER
     num_threads: int = 0  # 0: physical cores
     ignore_eos: bool = False  # benchmarks and tests only; not in the dialog
 
@@ -38,15 +40,16 @@ class AppSettings:
         """Settings the engine is built from: a change here reloads it."""
         return (self.model_dir, self.device, self.kv_reserve, self.overflow, self.kv_strategy, self.num_threads)
 
-    def needs_reload(self, other: "AppSettings") -> bool:
+    def needs_reload(self, other: AppSettings) -> bool:
         return self.engine_key() != other.engine_key()
 
     def run_options(self):
         from .common import RunOptions
 
         return RunOptions(model_dir=Path(self.model_dir).expanduser() if self.model_dir else None,
-                          device=self.device, num_threads=self.num_threads or None, kv_strategy=self.kv_strategy,
-                          kv_reserve=self.kv_reserve, overflow=self.overflow)
+                          device=self.device.value, num_threads=self.num_threads or None,
+                          kv_strategy=self.kv_strategy.value, kv_reserve=self.kv_reserve,
+                          overflow=self.overflow.value)
 
     def generation_params(self):
         from staticlm.runtime.generator import GenerationParams
@@ -63,30 +66,38 @@ class AppSettings:
 
     # -- storage -------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict) -> "AppSettings":
-        base = cls()
-        values = {}
+    def from_dict(cls, d: dict) -> AppSettings:
+        """Unknown keys and ill-typed values fall back to the defaults, one field at a time."""
+        if not isinstance(d, dict):
+            raise ValueError("settings must be a JSON object")
+        base, values = cls(), {}
         for f in dataclasses.fields(cls):
-            if f.name not in d:
-                continue
-            v, default = d[f.name], getattr(base, f.name)
-            if isinstance(default, bool):
-                ok = isinstance(v, bool)
-            elif isinstance(default, float):
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-                v = float(v) if ok else v
-            elif isinstance(default, int):
-                ok = isinstance(v, int) and not isinstance(v, bool)
-            else:
-                ok = isinstance(v, str)
-            if ok:
-                values[f.name] = v
-        s = dataclasses.replace(base, **values)
-        if s.device not in DEVICES:
-            s = dataclasses.replace(s, device="auto")
-        if s.overflow not in OVERFLOW_POLICIES:
-            s = dataclasses.replace(s, overflow="slide")
-        return s
+            if f.name in d:
+                value = _coerce(d[f.name], getattr(base, f.name))
+                if value is not None:
+                    values[f.name] = value
+        return dataclasses.replace(base, **values)
+
+    def to_dict(self) -> dict:
+        return {k: (v.value if isinstance(v, Enum) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def _coerce(value, default):
+    """value as default's type, or None when it cannot be."""
+    if isinstance(default, Enum):
+        try:
+            return type(default)(value)
+        except ValueError:
+            return None
+    if isinstance(default, bool):
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool):
+        return None
+    if isinstance(default, float):
+        return float(value) if isinstance(value, (int, float)) else None
+    if isinstance(default, int):
+        return value if isinstance(value, int) else None
+    return value if isinstance(value, str) else None
 
 
 def settings_path() -> Path:
@@ -102,12 +113,12 @@ def load_settings(path: Path | None = None) -> tuple[AppSettings, str | None]:
         return AppSettings.from_dict(json.loads(path.read_text(encoding="utf-8"))), None
     except FileNotFoundError:
         return AppSettings(), None
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        return AppSettings(), f"settings file {path} is unreadable ({type(e).__name__}); using the defaults"
+    except (OSError, ValueError, TypeError, UnicodeDecodeError) as e:
+        return AppSettings(), f"The settings file {path} is unreadable ({type(e).__name__}); using the defaults."
 
 
 def save_settings(settings: AppSettings, path: Path | None = None) -> None:
-    atomic_write_text(path or settings_path(), json.dumps(dataclasses.asdict(settings), indent=1))
+    atomic_write_text(path or settings_path(), json.dumps(settings.to_dict(), indent=1))
 
 
 class SettingsDialog(QDialog):
@@ -127,8 +138,8 @@ class SettingsDialog(QDialog):
         form.addRow("Model directory", row)
 
         self.device = QComboBox()
-        self.device.addItems(DEVICES)
-        self.device.setCurrentText(settings.device)
+        self.device.addItems([d.value for d in Device])
+        self.device.setCurrentText(settings.device.value)
         self.detected = QLabel(detected or "not detected yet")
         self.detected.setStyleSheet("color:#57606a")
         drow = QHBoxLayout()
@@ -150,8 +161,8 @@ class SettingsDialog(QDialog):
         self.kv_reserve = _spin(1.1, 8.0, 0.1, settings.kv_reserve, "buffer rows = reserve × (S-1)")
         form.addRow("KV reserve factor", self.kv_reserve)
         self.overflow = QComboBox()
-        self.overflow.addItems(OVERFLOW_POLICIES)
-        self.overflow.setCurrentText(settings.overflow)
+        self.overflow.addItems([o.value for o in Overflow])
+        self.overflow.setCurrentText(settings.overflow.value)
         self.overflow.setToolTip("error: stop with a message when the context is full; slide: drop the oldest tokens")
         form.addRow("Context overflow", self.overflow)
         note = QLabel("Changing the model, device or KV options reloads the model.")
@@ -173,10 +184,10 @@ class SettingsDialog(QDialog):
 
     def result_settings(self) -> AppSettings:
         return dataclasses.replace(
-            self._base, model_dir=self.model_dir.text().strip(), device=self.device.currentText(),
+            self._base, model_dir=self.model_dir.text().strip(), device=Device(self.device.currentText()),
             temperature=round(self.temperature.value(), 3), top_p=round(self.top_p.value(), 3),
             max_new_tokens=self.max_new_tokens.value(), system_prompt=self.system_prompt.toPlainText(),
-            kv_reserve=round(self.kv_reserve.value(), 3), overflow=self.overflow.currentText())
+            kv_reserve=round(self.kv_reserve.value(), 3), overflow=Overflow(self.overflow.currentText()))
 
 
 def _spin(lo: float, hi: float, step: float, value: float, tip: str) -> QDoubleSpinBox:

@@ -79,17 +79,30 @@ def num_kv_tensors(config: ModelConfig) -> int:
     return 2 * config.num_layers * config.num_kv_heads
 
 
+@dataclass(frozen=True)
+class IODtypes:
+    """Element types of the boundary tensors: float32 for the float family, integers for quantized ones."""
+
+    kv: str = "float32"
+    rope: str = "float32"
+    mask: str = "float32"
+    logits: str = "float32"
+
+
 def graph_io(config: ModelConfig, shape: GraphShape, *, kv_dtype: str = "float32",
-             float_dtype: str = "float32") -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+             float_dtype: str = "float32", dtypes: IODtypes | None = None
+             ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Inputs and outputs of one graph, KV tensors in kv_tensor_index order."""
+    dt = dtypes or IODtypes(kv=kv_dtype, rope=float_dtype, mask=float_dtype)
     b, ar, p, d = shape.batch, shape.ar, shape.past_len, config.head_dim
+    kv_dtype = dt.kv
     inputs = [
         TensorSpec("input_ids", Role.INPUT_IDS, "int64", (b, ar)),
-        TensorSpec("rope_cos", Role.ROPE_COS, float_dtype, (b, 1, ar, d)),  # [B, 1, AR, D]
-        TensorSpec("rope_sin", Role.ROPE_SIN, float_dtype, (b, 1, ar, d)),  # [B, 1, AR, D]
-        TensorSpec("attention_bias", Role.ATTENTION_BIAS, float_dtype, (b, 1, ar, p + ar)),  # [B, 1, AR, P+AR]
+        TensorSpec("rope_cos", Role.ROPE_COS, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
+        TensorSpec("rope_sin", Role.ROPE_SIN, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
+        TensorSpec("attention_bias", Role.ATTENTION_BIAS, dt.mask, (b, 1, ar, p + ar)),  # [B, 1, AR, P+AR]
     ]
-    outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, ar, config.vocab_size))]  # [B, AR, V]
+    outputs = [TensorSpec("logits", Role.LOGITS, dt.logits, (b, ar, config.vocab_size))]  # [B, AR, V]
     # Batched graphs take one KV tensor per sequence: each sequence's window sits at its own `end` in the
     # kv_manager's buffer, so B windows are never one contiguous [B, 1, P, D] block.
     seqs = [None] if b == 1 else list(range(b))

@@ -11,6 +11,7 @@ from pathlib import Path
 import onnx
 
 from .contract import GraphShape, graph_io
+from .htp_graph import HTPLlamaGraph, write_htp_weights
 from .llama_graph import LlamaGraph, write_weights
 from .manifest import GraphEntry, GraphKind, Manifest, SpecialTokens, file_sha256
 from .sources import LoadedModel
@@ -34,6 +35,7 @@ class ExportOptions:
     prefill_len: int = DEFAULT_PREFILL_LEN
     verify_lens: tuple[int, ...] = DEFAULT_VERIFY_LENS  # extra AR=N graphs sized for speculative verification
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES  # batched decode graphs, for several responses at once
+    htp_style: bool = False  # per-head K/V projections for quantized HTP graphs (see htp_graph.py)
 
     def validate(self, max_positions: int) -> None:
         if not self.contexts:
@@ -77,12 +79,13 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
     work.chmod(0o777 & ~umask)  # mkdtemp makes it private; the family is an ordinary directory
     try:
         writer = WeightFileWriter(work / WEIGHTS_FILE)
-        write_weights(config, model.weights, writer)
+        graph_class, write = (HTPLlamaGraph, write_htp_weights) if options.htp_style else (LlamaGraph, write_weights)
+        write(config, model.weights, writer)
         weights_bytes, weights_sha = writer.close()
         step("weights")
         entries = []
         for name, kind, shape in options.shapes():
-            proto = LlamaGraph(config, shape, weights=writer).build(name)
+            proto = graph_class(config, shape, weights=writer).build(name)
             onnx.save_model(proto, work / f"{name}.onnx")
             inputs, outputs = graph_io(config, shape)
             entries.append(GraphEntry(name=name, file=f"{name}.onnx", kind=kind, shape=shape, inputs=inputs,

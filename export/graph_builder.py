@@ -12,8 +12,9 @@ OPSET = 17
 
 
 class GraphBuilder:
-    def __init__(self, *, weights: WeightFileWriter, prefix: str = "") -> None:
+    def __init__(self, *, weights: WeightFileWriter, prefix: str = "", opset: int = OPSET) -> None:
         self.weights = weights
+        self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: dict[str, onnx.TensorProto] = {}
         self._counts: dict[str, int] = {}
@@ -55,7 +56,7 @@ class GraphBuilder:
 
         graph = helper.make_graph(self.nodes, name, [info(s) for s in inputs], [info(s) for s in outputs],
                                   initializer=list(self.initializers.values()))
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)],
                                   producer_name="staticlm", doc_string=doc)
         model.ir_version = 9
         return model

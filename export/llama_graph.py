@@ -78,7 +78,7 @@ class LlamaGraph:
     def attention(self, layer: int, x: str, cos: str, sin: str, bias: str) -> str:
         g, c, s = self.g, self.c, self.s
         hd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = g.op("MatMul", x, g.weight(f"l{layer}.qkv"))  # [B, AR, (H + 2 Hkv) D]
+        qkv = self.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
         if c.attention_bias:
             qkv = g.op("Add", qkv, g.weight(f"l{layer}.qkv_bias"))
         q, k, v = g.op("Split", qkv, g.const([hd, kvd, kvd]), axis=-1, num_outputs=3)
@@ -92,11 +92,19 @@ class LlamaGraph:
             o = g.op("Concat", *[self.sequence_attention(layer, b, *(p[b] for p in parts))
                                  for b in range(s.batch)], axis=0)  # [B, H, AR, D]
         o = g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.const([s.batch, s.ar, hd]))
-        return g.op("MatMul", o, g.weight(f"l{layer}.o"))
+        return self.linear(o, f"l{layer}.o")
+
+    def linear(self, x: str, weight: str) -> str:
+        """x @ W for an [in, out] weight; the CPU target swaps in MatMulNBits (cpu_graph.py)."""
+        return self.g.op("MatMul", x, self.g.weight(weight))
+
+    def split_probs(self, probs: str) -> list[str]:
+        """[.., P + AR] -> the past part [.., P] and the new part [.., AR]."""
+        return self.g.op("Split", probs, self.g.const([self.s.past_len, self.s.ar]), axis=-1, num_outputs=2)
 
     def sequence_attention(self, layer: int, seq: int | None, q: str, k: str, v: str, bias: str) -> str:
         """One sequence: q [1, H, AR, D], k/v [1, Hkv, AR, D], bias [1, 1, AR, P+AR] -> [1, H, AR, D]."""
-        g, c, s = self.g, self.c, self.s
+        g, c = self.g, self.c
         hkv = c.num_kv_heads
         new_k = [kv_name(Role.NEW_KEY, layer, h, seq) for h in range(hkv)]
         new_v = [kv_name(Role.NEW_VALUE, layer, h, seq) for h in range(hkv)]
@@ -111,28 +119,35 @@ class LlamaGraph:
             s_new = g.op("MatMul", qh, g.op("Transpose", new_k[h], perm=[0, 1, 3, 2]))  # [1, g, AR, AR]
             scores = g.op("Add", g.op("Concat", s_past, s_new, axis=-1), bias)  # [1, g, AR, P + AR]
             probs = g.op("Softmax", scores, axis=-1)
-            p_past, p_new = g.op("Split", probs, g.const([s.past_len, s.ar]), axis=-1, num_outputs=2)
+            p_past, p_new = self.split_probs(probs)
             outs.append(g.op("Add", g.op("MatMul", p_past, past_v), g.op("MatMul", p_new, new_v[h])))
         return outs[0] if hkv == 1 else g.op("Concat", *outs, axis=1)  # [1, H, AR, D]
 
     def mlp(self, layer: int, x: str) -> str:
         g, i = self.g, self.c.intermediate_size
-        gate, up = g.op("Split", g.op("MatMul", x, g.weight(f"l{layer}.gate_up")), g.const([i, i]),
+        gate, up = g.op("Split", self.linear(x, f"l{layer}.gate_up"), g.const([i, i]),
                         axis=-1, num_outputs=2)
         silu = g.op("Mul", gate, g.op("Sigmoid", gate))
-        return g.op("MatMul", g.op("Mul", silu, up), g.weight(f"l{layer}.down"))
+        return self.linear(g.op("Mul", silu, up), f"l{layer}.down")
 
     def build(self, name: str):
         g, c, s = self.g, self.c, self.s
         inputs, outputs = graph_io(c, s)
-        h = g.op("Gather", g.weight("embed"), "input_ids", axis=0)  # [B, AR, hidden]
+        h = self.embed("input_ids")  # [B, AR, hidden]
         for layer in range(c.num_layers):
             h = g.op("Add", h, self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"),
                                               "rope_cos", "rope_sin", "attention_bias"))
             h = g.op("Add", h, self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm")))
         h = g.op("Reshape", self.rms_norm(h, "final_norm"), g.const([s.batch * s.ar, c.hidden_size]))
-        head = g.weight("embed" if c.tie_word_embeddings else "lm_head")
-        logits = g.op("Gemm", h, head, transB=1)  # the tied head reuses the embedding table, no copy
+        logits = self.lm_head(h)  # [B AR, V]
         g.op("Reshape", logits, g.const([s.batch, s.ar, c.vocab_size]), outputs=["logits"])
         return g.model(name=name, inputs=inputs, outputs=outputs,
                        doc=f"staticlm {name}: AR={s.ar}, P={s.past_len}, S={s.context}")
+
+    def embed(self, ids: str) -> str:
+        return self.g.op("Gather", self.g.weight("embed"), ids, axis=0)
+
+    def lm_head(self, h: str) -> str:
+        """[N, hidden] -> [N, V]; the tied head reuses the embedding table, no copy."""
+        head = self.g.weight("embed" if self.c.tie_word_embeddings else "lm_head")
+        return self.g.op("Gemm", h, head, transB=1)

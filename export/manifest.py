@@ -8,10 +8,11 @@ from enum import Enum
 from pathlib import Path
 
 from .config import ModelConfig
-from .contract import GraphShape, KVLayout, TensorSpec
+from .contract import GraphShape, KVLayout, TensorSpec, num_kv_tensors
 
 MAGIC = "staticlm-family"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: quantized families (integer I/O dtypes, `quantization` parameters)
+READABLE_VERSIONS = (1, 2)  # a version-1 family is a float family, still valid as written
 MANIFEST_NAME = "manifest.json"
 
 
@@ -86,6 +87,15 @@ class Manifest:
                             key=lambda g: g.shape.past_len))
 
     @property
+    def quant(self):
+        """The family's FamilyQuant (boundary quantization parameters), or None for a float family."""
+        if self.quantization is None:
+            return None
+        from .quant_params import FamilyQuant
+
+        return FamilyQuant.from_dict(self.quantization, num_kv_tensors=num_kv_tensors(self.model))
+
+    @property
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted({g.shape.batch for g in self.graphs}))
 
@@ -119,11 +129,11 @@ def _parse(d: dict) -> Manifest:
     if d.get("magic") != MAGIC:
         raise ManifestError(f"not a staticlm manifest (magic {d.get('magic')!r})")
     version = d.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ManifestError(f"manifest format version {version} is not supported (this staticlm reads "
                             f"{FORMAT_VERSION}); re-export the model with this version")
     tok, w = d["tokenizer"], d["weights"]
-    return Manifest(
+    manifest = Manifest(
         model=ModelConfig.from_dict(d["model"]), graphs=tuple(GraphEntry.from_dict(g) for g in d["graphs"]),
         weights_file=w["file"], weights_bytes=int(w["bytes"]), weights_sha256=w["sha256"],
         tokenizer_file=tok["file"], chat_template=tok.get("chat_template"),
@@ -133,6 +143,16 @@ def _parse(d: dict) -> Manifest:
                                      add_bos_token=bool(tok.get("add_bos_token"))),
         kv_layout=KVLayout(d["kv_layout"]), kv_dtype=d["kv_dtype"], quantization=d.get("quantization"),
         source=d.get("source", ""), format_version=version, extra=d.get("extra") or {})
+    if manifest.quantization is not None:
+        from .quant_params import QuantParamsError
+
+        try:
+            quant = manifest.quant
+        except QuantParamsError as e:
+            raise ManifestError(str(e)) from None
+        if quant.kv_dtype != manifest.kv_dtype:
+            raise ManifestError(f"kv_dtype {manifest.kv_dtype} disagrees with the KV quantization type {quant.kv_dtype}")
+    return manifest
 
 
 def load_manifest(directory: str | Path, *, verify_weights: bool = False) -> Manifest:

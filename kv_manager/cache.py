@@ -44,6 +44,8 @@ class KVCache:
         s = self.spec
         # Zeros, not empty: padding rows are masked, but uninitialised bytes may hold NaN, and NaN * 0 is NaN.
         buf = np.zeros((s.num_tensors, s.batch, rows, s.head_dim), s.dtype)  # [T, B, rows, D]
+        if s.pad_values is not None:  # once per allocation, never per token
+            buf[...] = np.asarray(s.pad_values, s.dtype)[:, None, None, None]
         self.stats.num_allocations += 1
         return buf
 

@@ -34,12 +34,16 @@ class KVSpec:
     reserve: float = 2.0  # capacity = reserve x max_past rows per tensor
     overflow: Overflow = Overflow.ERROR
     batch: int = 1
+    pad_values: tuple[float, ...] | None = None  # per tensor, what a never-written row holds (quantized KV: its
+    # zero point, so padding dequantizes to 0 like the float cache's zeros); None: zeros
 
     def __post_init__(self) -> None:
         if self.num_tensors < 1 or self.head_dim < 1 or self.max_past < 1 or self.max_ar < 1 or self.batch < 1:
             raise ValueError(f"invalid KV spec: {self}")
         if self.reserve <= 1.0:
             raise ValueError(f"the KV reserve factor must be > 1, got {self.reserve}")
+        if self.pad_values is not None and len(self.pad_values) != self.num_tensors:
+            raise ValueError(f"{len(self.pad_values)} pad values for {self.num_tensors} KV tensors")
 
     @property
     def itemsize(self) -> int:

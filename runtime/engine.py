@@ -1,18 +1,20 @@
 """The model runner: prefill and decode over a graph family, KV in the kv_manager's buffers."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from staticlm.export.contract import num_kv_tensors
+from staticlm.export.contract import graph_io, num_kv_tensors
 from staticlm.export.manifest import GraphEntry, GraphKind, Manifest, load_manifest
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow, Strategy, attention_bias, make_kv_cache
 
 from .device import Device, DeviceOptions, create_session, resolve_device
 from .graph_runner import GraphRunner
+from .ladder import ladder_step, rung_past_len
 from .rope import RopeTable
 from .shared_weights import SharedWeights
 
@@ -56,6 +58,7 @@ class Engine:
         cfg = self.manifest.model
         self.config = cfg
         self.batch = batch
+        self.quant = self.manifest.quant  # boundary quantization of a quantized family, else None
         self._decode = self.manifest.graphs_of(GraphKind.DECODE, batch=batch)
         multi = self.manifest.graphs_of(GraphKind.PREFILL, batch=batch)
         if not self._decode:
@@ -71,10 +74,15 @@ class Engine:
             KVSpec(num_tensors=num_kv_tensors(cfg), head_dim=cfg.head_dim, dtype=self.manifest.kv_dtype,
                    max_past=self._decode[-1].shape.past_len, max_ar=max(self.prefill_len, 1),
                    max_positions=cfg.max_positions, reserve=options.kv_reserve, overflow=options.overflow,
-                   batch=batch),
+                   batch=batch, pad_values=self.quant.kv_pad_values if self.quant else None),
             options.kv_strategy, bmc_r=options.bmc_r)
         self.rope = RopeTable(head_dim=cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.max_positions)
         self._runners: dict[str, GraphRunner] = {}
+        self._sessions: dict[str, object] = {}  # graph file -> its ORT session
+        self._ladder_entries: dict[str, GraphEntry] = {}
+        # A family whose graphs take any past length (the cpu target) decodes on BMC's ladder, r rows a rung.
+        self._ladder_step = (ladder_step(max_context=self.max_context, override=options.bmc_r)
+                             if self.manifest.extra.get("dynamic_past") else None)
         self._token = np.zeros(1, np.int64)
         self._verify_time: dict[int, tuple[int, float]] = {}  # AR -> (steps, seconds)
         if weights_from is not None:
@@ -87,11 +95,15 @@ class Engine:
     # -- graphs -------------------------------------------------------------------------
     def runner(self, entry: GraphEntry) -> GraphRunner:
         if entry.name not in self._runners:
-            session = create_session(self.model_dir / entry.file, device=self.device,
-                                     options=self.options.device, cache_dir=self.model_dir / ".qnn_cache",
-                                     shared_weights=self._shared_weights,
-                                     prepack=self.options.prepack and entry.shape.batch * entry.shape.ar > 1)
-            self._runners[entry.name] = GraphRunner(session, entry, num_kv_heads=self.config.num_kv_heads)
+            # Entries may share a file (a symbolic past length serves every rung): one session per file.
+            session = self._sessions.get(entry.file) or create_session(
+                self.model_dir / entry.file, device=self.device, options=self.options.device,
+                cache_dir=self.model_dir / ".qnn_cache", shared_weights=self._shared_weights,
+                # MatMulNBits without its prepacked weights dequantizes every weight on every step (30x slower)
+                prepack=self._ladder_step is not None or (self.options.prepack and entry.shape.batch * entry.shape.ar > 1))
+            self._sessions[entry.file] = session
+            self._runners[entry.name] = GraphRunner(session, entry, num_kv_heads=self.config.num_kv_heads,
+                                                    quant=self.quant)
         return self._runners[entry.name]
 
     def warm_up(self) -> None:
@@ -106,13 +118,25 @@ class Engine:
         for entry in (*self._decode, *(g for ladder in self._verify.values() for g in ladder)):
             self.runner(entry)
 
-    @staticmethod
-    def _rung(graphs: tuple[GraphEntry, ...], num_valid: int) -> GraphEntry:
+    def _rung(self, graphs: tuple[GraphEntry, ...], num_valid: int) -> GraphEntry:
         """The context ladder: the smallest past window that holds every valid row."""
+        if self._ladder_step is not None and graphs[-1].shape.ar == 1 and num_valid < graphs[-1].shape.past_len:
+            return self._ladder_entry(graphs[-1], num_valid)
         for entry in graphs:
             if entry.shape.past_len >= num_valid:
                 return entry
         return graphs[-1]  # the kv_manager's overflow policy decides (slide or ContextFull)
+
+    def _ladder_entry(self, largest: GraphEntry, num_valid: int) -> GraphEntry:
+        """A decode rung of the symbolic-past graph: past length a multiple of r (one runner per rung)."""
+        p = rung_past_len(num_valid, step=self._ladder_step, max_past=largest.shape.past_len)
+        name = f"{largest.name}@p{p}"
+        if name not in self._ladder_entries:
+            shape = dataclasses.replace(largest.shape, past_len=p)
+            inputs, outputs = graph_io(self.config, shape)
+            self._ladder_entries[name] = dataclasses.replace(largest, name=name, shape=shape, inputs=inputs,
+                                                             outputs=outputs)
+        return self._ladder_entries[name]
 
     # -- steps --------------------------------------------------------------------------
     @property
@@ -216,6 +240,21 @@ class Engine:
         self.counters.num_prefill_tokens += ids.size
         self.counters.prefill_seconds += time.perf_counter() - t0
         return logits
+
+    def score(self, token_ids) -> np.ndarray:
+        """Teacher forcing: append tokens like prefill, but return every row's logits [n, V] (evaluation)."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        self.check_room(ids.size)
+        out = np.empty((ids.size, self.config.vocab_size), np.float32)  # once per call, not per token
+        start = 0
+        while start < ids.size:
+            graphs = self._prefill if self._prefill and ids.size - start > 1 else self._decode
+            entry = self._rung(graphs, self.num_cached)
+            chunk = ids[start:start + entry.shape.ar]
+            out[start:start + chunk.size] = self._run(entry, chunk)[0, :chunk.size]
+            self.kv.advance(chunk.size)
+            start += chunk.size
+        return out
 
     def decode(self, token_id: int) -> np.ndarray:
         """One token in, next-token logits [V] out."""

@@ -12,6 +12,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from staticlm.export.contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role
 from staticlm.export.manifest import GraphEntry
+from staticlm.export.quant_params import FamilyQuant
 
 
 def _kv_order(specs, roles, num_kv_heads: int):
@@ -21,7 +22,12 @@ def _kv_order(specs, roles, num_kv_heads: int):
 
 
 class GraphRunner:
-    def __init__(self, session: ort.InferenceSession, entry: GraphEntry, *, num_kv_heads: int) -> None:
+    """quant (a quantized family's FamilyQuant): the engine still writes float rope/mask into rope_cos,
+    rope_sin and attention_bias and reads float logits; the runner converts them at the boundary (a few
+    thousand elements per step; KV is never converted)."""
+
+    def __init__(self, session: ort.InferenceSession, entry: GraphEntry, *, num_kv_heads: int,
+                 quant: FamilyQuant | None = None) -> None:
         self.session, self.entry, self.shape = session, entry, entry.shape
         self._binding = C.SessionIOBinding(session._sess)
         # Building an OrtDevice per call costs more than the binding itself (field notes): cache it.
@@ -29,17 +35,19 @@ class GraphRunner:
         by_role = {s.role: s for s in entry.inputs if s.role not in KV_INPUT_ROLES}
         self.input_ids = np.zeros(by_role[Role.INPUT_IDS].shape, np.int64)  # [B, AR]
         self.row_offsets = np.arange(self.shape.ar)  # [AR] position of each new row after the cached ones
-        self.rope_cos = np.zeros(by_role[Role.ROPE_COS].shape, by_role[Role.ROPE_COS].dtype)  # [B, 1, AR, D]
-        self.rope_sin = np.zeros(by_role[Role.ROPE_SIN].shape, by_role[Role.ROPE_SIN].dtype)  # [B, 1, AR, D]
+        self.rope_cos = np.zeros(by_role[Role.ROPE_COS].shape, np.float32)  # [B, 1, AR, D]
+        self.rope_sin = np.zeros(by_role[Role.ROPE_SIN].shape, np.float32)  # [B, 1, AR, D]
         bias = by_role[Role.ATTENTION_BIAS]
-        self.attention_bias = np.zeros(bias.shape, bias.dtype)  # [B, 1, AR, P + AR]
+        self.attention_bias = np.zeros(bias.shape, np.float32)  # [B, 1, AR, P + AR]
         logits = next(s for s in entry.outputs if s.role == Role.LOGITS)
-        self.logits = np.zeros(logits.shape, logits.dtype)  # [B, AR, V]
+        self.logits = np.zeros(logits.shape, np.float32)  # [B, AR, V]
+        # (float array the engine uses, params or None, the array bound to the graph in its own dtype)
+        self._to_graph, self._from_graph = [], []
         for spec, array in ((by_role[Role.INPUT_IDS], self.input_ids), (by_role[Role.ROPE_COS], self.rope_cos),
                             (by_role[Role.ROPE_SIN], self.rope_sin), (bias, self.attention_bias)):
-            self._bind_input(spec.name, array)
-        self._binding.bind_output(logits.name, self._cpu, self.logits.dtype, list(self.logits.shape),
-                                  self.logits.ctypes.data)
+            self._bind_input(spec.name, self._graph_array(spec, array, quant, self._to_graph))
+        out = self._graph_array(logits, self.logits, quant, self._from_graph)
+        self._binding.bind_output(logits.name, self._cpu, out.dtype, list(out.shape), out.ctypes.data)
         kv_in = _kv_order(entry.inputs, KV_INPUT_ROLES, num_kv_heads)
         kv_out = _kv_order(entry.outputs, KV_OUTPUT_ROLES, num_kv_heads)
         self._kv_inputs = [(s.name, np.dtype(s.dtype), list(s.shape)) for s in kv_in]
@@ -50,6 +58,19 @@ class GraphRunner:
     @property
     def num_kv_tensors(self) -> int:
         return len(self._kv_inputs)
+
+    @staticmethod
+    def _graph_array(spec, host: np.ndarray, quant: FamilyQuant | None, conversions: list) -> np.ndarray:
+        """The array to bind: host itself when the dtypes agree, else an integer twin converted each run."""
+        if np.dtype(spec.dtype) == host.dtype:
+            return host
+        params = {Role.ROPE_COS: "rope", Role.ROPE_SIN: "rope", Role.ATTENTION_BIAS: "mask", Role.LOGITS: "logits"}
+        tq = getattr(quant, params[spec.role], None) if quant is not None else None
+        if tq is None or np.dtype(tq.dtype) != np.dtype(spec.dtype):
+            raise ValueError(f"{spec.name} is {spec.dtype} but the manifest has no matching quantization parameters")
+        twin = np.zeros(spec.shape, spec.dtype)
+        conversions.append((host, tq, twin))
+        return twin
 
     def _bind_input(self, name: str, array: np.ndarray) -> None:
         self._binding.bind_input(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
@@ -64,4 +85,8 @@ class GraphRunner:
         self.bound_kv_inputs, self.bound_kv_outputs = window_addresses, slot_addresses
 
     def run(self) -> None:
+        for host, tq, twin in self._to_graph:
+            tq.quantize(host, out=twin)
         self.session._sess.run_with_iobinding(self._binding, None)
+        for host, tq, twin in self._from_graph:
+            tq.dequantize(twin, out=host)

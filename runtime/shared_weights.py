@@ -14,6 +14,9 @@ import onnxruntime as ort
 from onnx.helper import tensor_dtype_to_np_dtype
 
 
+_PACKED = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
+
+
 class SharedWeights:
     def __init__(self, weights_path: Path) -> None:
         self.path = Path(weights_path)
@@ -33,7 +36,8 @@ class SharedWeights:
         """Hand the session every external initializer of its graph, by reference."""
         model = onnx.load(str(model_path), load_external_data=False)
         for tensor in model.graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            # 4-bit weights are packed two per byte: no numpy view describes them, so ORT reads those itself.
+            if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.data_type not in _PACKED:
                 options.add_initializer(tensor.name, self._value(tensor))
 
     @property

@@ -1,0 +1,152 @@
+"""Calibration on real decoding traces.
+
+The float family runs the shipped chat prompts through the real Engine and kv_manager (prefill chunks,
+then greedy decoding); before each step we keep what that step reads: the valid past rows, the tokens
+and their position. A recorded step is graph-independent, so it can be re-windowed for any family
+member whose window holds it (left padding, the same mask rule the runtime uses) and fed to ONNX
+Runtime's calibrator. The boundary ranges (KV, logits) come from every row the float model wrote.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .contract import GraphShape, KV_INPUT_ROLES, TensorSpec, kv_tensor_index
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    past: np.ndarray  # [T, n, D] float32: the valid rows the step attended to
+    token_ids: np.ndarray  # [k] int64: the step's real tokens (k > 1: a prefill chunk)
+
+    @property
+    def position(self) -> int:  # calibration never slides, so the position is the number of cached rows
+        return self.past.shape[1]
+
+
+@dataclass(frozen=True)
+class Traces:
+    steps: tuple[TraceStep, ...]
+    kv_min: np.ndarray  # [T] over every row the float model wrote: the union of past and new ranges
+    kv_max: np.ndarray  # [T]
+    logits_min: float
+    logits_max: float
+
+
+def calibration_prompts() -> list[str]:
+    """The chat prompts the repository ships for calibration (written for this project)."""
+    text = resources.files("staticlm.apps").joinpath("data/calib_prompts.json").read_text()
+    return [p["prompt"] for p in json.loads(text)["prompts"]]
+
+
+def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: int, max_new_tokens: int,
+                  eos_ids: tuple[int, ...] = (), on_prompt=None) -> Traces:
+    """Run the float family over the prompts; keep about max_steps steps, half prefill chunks, half decode."""
+    from staticlm.runtime.device import Device, DeviceOptions
+    from staticlm.runtime.engine import Engine, EngineOptions
+
+    engine = Engine(float_dir, options=EngineOptions(device=DeviceOptions(device=Device.CPU)))
+    chunk = max(engine.prefill_len, 1)
+    room = engine.max_context - 1
+    keep = max(room - max_new_tokens, 1)  # long prompts keep their end (the assistant header), so decoding happens
+    prompt_ids = [p[-keep:] for p in prompt_ids]
+    num_chunks = sum(-(-len(p) // chunk) for p in prompt_ids)
+    num_decode = len(prompt_ids) * max_new_tokens
+    chunk_stride = max(1, -(-num_chunks // max(1, max_steps // 2)))
+    decode_stride = max(1, -(-num_decode // max(1, max_steps - min(num_chunks, max_steps // 2))))
+    t = engine.kv.spec.num_tensors
+    kv_min, kv_max = np.full(t, np.inf, np.float32), np.full(t, -np.inf, np.float32)
+    lo, hi = np.inf, -np.inf
+    steps: list[TraceStep] = []
+    chunk_no = decode_no = 0
+    for ids in prompt_ids:
+        engine.reset()
+        logits = None
+        for start in range(0, len(ids), chunk):
+            part = np.asarray(ids[start:start + chunk], np.int64)
+            if chunk_no % chunk_stride == 0:
+                steps.append(TraceStep(engine.kv.valid_block(0).copy(), part))
+            chunk_no += 1
+            logits = engine.prefill(part)
+            lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
+        for _ in range(max_new_tokens):
+            token = int(np.argmax(logits))
+            if token in eos_ids or engine.num_cached + 1 > room:
+                break
+            if decode_no % decode_stride == 0:
+                steps.append(TraceStep(engine.kv.valid_block(0).copy(), np.array([token], np.int64)))
+            decode_no += 1
+            logits = engine.decode(token)
+            lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
+        block = engine.kv.valid_block(0)  # [T, n, D]: every new row this prompt wrote, and every past row
+        np.minimum(kv_min, block.min(axis=(1, 2)), out=kv_min)
+        np.maximum(kv_max, block.max(axis=(1, 2)), out=kv_max)
+        if on_prompt is not None:
+            on_prompt()
+    return Traces(steps=tuple(steps[:max_steps] if len(steps) > max_steps else steps), kv_min=kv_min,
+                  kv_max=kv_max, logits_min=lo, logits_max=hi)
+
+
+class StepFeeds:
+    """Re-windows recorded steps for one graph shape: the feeds the runtime would have bound."""
+
+    def __init__(self, inputs: tuple[TensorSpec, ...], shape: GraphShape, *, num_kv_heads: int, head_dim: int,
+                 rope_theta: float, max_positions: int, mask_value: float) -> None:
+        from staticlm.kv_manager import attention_bias
+        from staticlm.runtime.rope import RopeTable
+
+        self.shape, self.mask_value = shape, mask_value
+        self._bias = attention_bias
+        self._rope = RopeTable(head_dim=head_dim, theta=rope_theta, max_positions=max_positions)
+        self._kv = [(s.name, kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=s.role == KV_INPUT_ROLES[1],
+                                             num_kv_heads=num_kv_heads)) for s in inputs if s.role in KV_INPUT_ROLES]
+
+    def select(self, steps: tuple[TraceStep, ...]) -> tuple[TraceStep, ...]:
+        """Steps of this graph's kind (prefill chunks for AR > 1, decode tokens for AR = 1); any if none."""
+        same = tuple(s for s in steps if (s.token_ids.size > 1) == (self.shape.ar > 1))
+        return same or steps
+
+    def feeds(self, step: TraceStep) -> dict[str, np.ndarray]:
+        s, n = self.shape, step.position
+        ids = np.zeros((1, s.ar), np.int64)
+        k = min(step.token_ids.size, s.ar)
+        ids[0, :k] = step.token_ids[:k]
+        cos = np.zeros((1, 1, s.ar, step.past.shape[2]), np.float32)
+        sin = np.zeros_like(cos)
+        self._rope.fill((n + np.arange(s.ar))[None], cos_out=cos, sin_out=sin)
+        kept = min(n, s.past_len)  # a longer past slides: the newest P rows, positions keep counting
+        bias = self._bias(lengths=np.array([kept]), past_len=s.past_len, ar=s.ar)
+        bias[bias < 0] = self.mask_value  # the level the quantized mask input represents
+        window = np.zeros((step.past.shape[0], s.past_len, step.past.shape[2]), np.float32)
+        if kept:
+            window[:, s.past_len - kept:] = step.past[:, n - kept:]  # left padding: valid rows at the right end
+        feeds = {"input_ids": ids, "rope_cos": cos, "rope_sin": sin, "attention_bias": bias}
+        for name, t in self._kv:
+            feeds[name] = window[t][None, None]
+        return feeds
+
+    def iterate(self, steps: tuple[TraceStep, ...]) -> Iterator[dict[str, np.ndarray]]:
+        for step in self.select(steps):
+            yield self.feeds(step)
+
+
+def trace_reader(step_feeds: StepFeeds, steps: tuple[TraceStep, ...]):
+    """An onnxruntime CalibrationDataReader over the steps that fit the graph (lazily: windows are large)."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = step_feeds.iterate(steps)
+
+        def get_next(self):
+            return next(self._it, None)
+
+        def rewind(self) -> None:
+            self._it = step_feeds.iterate(steps)
+
+    return _Reader()

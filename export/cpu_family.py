@@ -1,0 +1,86 @@
+"""Export the `--target cpu` family: MatMulNBits graphs, one file per (batch, AR), one shared weight file.
+
+The manifest still lists one entry per rung of the ladder (same names and static shapes as the float
+family, so every consumer binds exactly as before); entries of one (batch, AR) point at the same graph
+file, whose past length is symbolic. `extra["dynamic_past"]` tells the runtime it may also run any other
+past length (the BMC ladder's finer rungs) through that file.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from .contract import GraphShape, graph_io
+from .cpu_graph import CpuLlamaGraph, CpuOptions, write_cpu_weights
+from .family import TOKENIZER_FILE, WEIGHTS_FILE, ExportOptions, _replace_dir
+from .manifest import GraphEntry, GraphKind, Manifest, SpecialTokens, file_sha256
+from .sources import LoadedModel
+from .weight_file import WeightFileWriter
+
+TARGET = "cpu"
+
+
+def graph_file(kind: GraphKind, shape: GraphShape) -> str:
+    batch = f"_b{shape.batch}" if shape.batch > 1 else ""
+    return f"{kind.value}_ar{shape.ar}{batch}.onnx"
+
+
+def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions = ExportOptions(),
+                      cpu: CpuOptions = CpuOptions(), on_step: Callable[[str], None] | None = None) -> Manifest:
+    """Write the family into out_dir atomically (a failed export leaves an existing out_dir untouched)."""
+    config = model.config
+    options.validate(config.max_positions)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    step = on_step or (lambda _name: None)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)
+    try:
+        writer = WeightFileWriter(work / WEIGHTS_FILE)
+        write_cpu_weights(config, model.weights, writer, cpu)
+        weights_bytes, weights_sha = writer.close()
+        step("weights")
+        shapes = options.shapes()
+        largest: dict[str, tuple[GraphKind, GraphShape]] = {}
+        for _name, kind, shape in shapes:  # each file is built at its largest window (any P up to it runs)
+            file = graph_file(kind, shape)
+            if file not in largest or shape.past_len > largest[file][1].past_len:
+                largest[file] = (kind, shape)
+        hashes = {}
+        for file, (_kind, shape) in largest.items():
+            proto = CpuLlamaGraph(config, shape, weights=writer, options=cpu).build(Path(file).stem)
+            onnx.save_model(proto, work / file)
+            hashes[file] = file_sha256(work / file)
+            step(file)
+        entries = []
+        for name, kind, shape in shapes:
+            inputs, outputs = graph_io(config, shape)
+            file = graph_file(kind, shape)
+            entries.append(GraphEntry(name=name, file=file, kind=kind, shape=shape, inputs=inputs, outputs=outputs,
+                                      sha256=hashes[file]))
+        (work / TOKENIZER_FILE).write_text(model.tokenizer_json)
+        manifest = Manifest(
+            model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
+            weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
+            special_tokens=SpecialTokens(bos_token_id=model.bos_token_id, eos_token_ids=tuple(model.eos_token_ids),
+                                         bos_token=model.bos_token, eos_token=model.eos_token,
+                                         add_bos_token=model.add_bos_token),
+            source=model.source, extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True})
+        manifest.save(work)
+        step("manifest")
+        _replace_dir(work, out_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return manifest
+
+
+def num_cpu_steps(options: ExportOptions) -> int:
+    return len({graph_file(kind, shape) for _n, kind, shape in options.shapes()}) + 2

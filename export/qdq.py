@@ -1,0 +1,131 @@
+"""One QDQ graph from one float graph, with ONNX Runtime's QNN tooling, then integer boundaries.
+
+`get_qnn_qdq_config` + `quantize` do all the quantizing. Tensor overrides pin every boundary tensor to
+family-wide parameters (each past/new KV pair to one scale and zero-point), because the KV buffer is
+shared by every graph. The quantizer never changes graph I/O types, so `strip_boundary` then removes the
+boundary QuantizeLinear/DequantizeLinear: inputs and outputs become the integers themselves.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role, TensorSpec, kv_tensor_index
+from .quant_params import FamilyQuant, Quant, TensorQuant
+
+Q_OPS, DQ_OPS = {"QuantizeLinear"}, {"DequantizeLinear"}
+
+
+def _qtype(dtype: str):
+    from onnxruntime.quantization import QuantType
+
+    return {"uint16": QuantType.QUInt16, "uint8": QuantType.QUInt8, "int4": QuantType.QInt4}[dtype]
+
+
+def _pinned(t: TensorQuant) -> list[dict]:
+    return [{"quant_type": _qtype(t.dtype), "scale": np.array(t.scale, np.float32),
+             "zero_point": np.array(t.zero_point, np.dtype(t.dtype))}]
+
+
+def boundary_params(specs: tuple[TensorSpec, ...], fq: FamilyQuant, *, num_kv_heads: int) -> dict[str, TensorQuant]:
+    """Graph I/O name -> the family parameters it must carry."""
+    out = {}
+    for s in specs:
+        if s.role in (*KV_INPUT_ROLES, *KV_OUTPUT_ROLES):
+            is_value = s.role in (Role.PAST_VALUE, Role.NEW_VALUE)
+            out[s.name] = fq.kv[kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=is_value,
+                                                num_kv_heads=num_kv_heads)]
+        elif s.role in (Role.ROPE_COS, Role.ROPE_SIN) and fq.rope is not None:
+            out[s.name] = fq.rope
+        elif s.role is Role.ATTENTION_BIAS and fq.mask is not None:
+            out[s.name] = fq.mask
+        elif s.role is Role.LOGITS and fq.logits is not None:
+            out[s.name] = fq.logits
+    return out
+
+
+DATA_MOVEMENT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def _through_data_movement(float_path: Path, pinned: dict[str, TensorQuant]) -> dict[str, TensorQuant]:
+    """Pin also the tensor a data-movement op copies into a pinned output (logits = Reshape(Gemm)):
+    the quantizer gives such an op's output its input's parameters, ignoring an override on the output."""
+    g = onnx.load(str(float_path), load_external_data=False).graph
+    producer = {o: n for n in g.node for o in n.output}
+    out = dict(pinned)
+    for name, t in pinned.items():
+        node = producer.get(name)
+        while node is not None and node.op_type in DATA_MOVEMENT:
+            out[node.input[0]] = t
+            node = producer.get(node.input[0])
+    return out
+
+
+def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pinned: dict[str, TensorQuant],
+                   weight_overrides: dict[str, list[dict]]) -> None:
+    """QDQ model of float_path (calibrated on reader) at out_path, its weights in out_path's .data file."""
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    overrides = {name: _pinned(t) for name, t in _through_data_movement(float_path, pinned).items()}
+    overrides.update(weight_overrides)
+    config = get_qnn_qdq_config(
+        str(float_path), reader, activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QUInt8 if quant is Quant.W8A16 else QuantType.QInt4,
+        per_channel=False, init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])
+    config.use_external_data_format = True  # weights go to one side file, moved into the family's file later
+    quantize(str(float_path), str(out_path), config)
+
+
+def _consumers(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto]:
+    return [n for n in graph.node if name in n.input]
+
+
+def strip_boundary(model: onnx.ModelProto, pinned: dict[str, TensorQuant]) -> onnx.ModelProto:
+    """Make each pinned graph input/output its integer form, removing the boundary Q (inputs) / DQ (outputs).
+
+    Input x: x -> Q -> q -> DQ -> ... becomes x(int) -> DQ -> ...
+    Output y: ... -> Q -> q -> DQ -> y becomes ... -> Q -> y(int); consumers inside the graph that read
+    the DQ output keep reading a DQ (of the integer output), so the step's own attention sees exactly
+    the integers the next step will read back.
+    """
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    for vi in g.input:
+        if vi.name not in pinned:
+            continue
+        (q,) = [n for n in _consumers(g, vi.name) if n.op_type in Q_OPS] or [None]
+        if q is None or len(_consumers(g, vi.name)) != 1:
+            raise ValueError(f"input {vi.name}: expected exactly one QuantizeLinear consumer")
+        q_out = q.output[0]
+        g.node.remove(q)
+        for n in _consumers(g, q_out):
+            n.input[:] = [vi.name if i == q_out else i for i in n.input]
+        vi.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pinned[vi.name].dtype))
+    for vo in g.output:
+        if vo.name not in pinned:
+            continue
+        dq = producer.get(vo.name)
+        if dq is None or dq.op_type not in DQ_OPS:
+            raise ValueError(f"output {vo.name}: not produced by a DequantizeLinear")
+        q_out = dq.input[0]
+        q = producer[q_out]
+        if q.op_type not in Q_OPS:
+            raise ValueError(f"output {vo.name}: its DequantizeLinear does not read a QuantizeLinear")
+        for n in g.node:  # the integer tensor takes the output's name
+            n.input[:] = [vo.name if i == q_out else i for i in n.input]
+        q.output[0] = vo.name
+        inner = _consumers(g, vo.name)
+        inner = [n for n in inner if n is not dq]
+        if inner:  # keep the DQ for in-graph readers, under a new name
+            deq = f"{vo.name}_dequantized"
+            dq.output[0] = deq
+            for n in inner:
+                n.input[:] = [deq if i == vo.name else i for i in n.input]
+        else:
+            g.node.remove(dq)
+        vo.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pinned[vo.name].dtype))
+    return model

@@ -1,0 +1,166 @@
+"""`export --target htp`: the quantized family (QDQ graphs, integer KV/mask/rope/logits I/O, one weight file).
+
+Pipeline: export the float family to a scratch directory, record real decoding traces with it, derive
+the family-wide boundary parameters from those traces, then quantize each float graph with ONNX
+Runtime's QNN tooling (boundary tensors pinned), strip the boundary Q/DQ and move the quantized
+weights into one shared file (identical across graphs, so each is written once).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .calibration import StepFeeds, Traces, calibration_prompts, record_traces, trace_reader
+from .contract import IODtypes, graph_io
+from .family import TOKENIZER_FILE, WEIGHTS_FILE, ExportError, ExportOptions, _replace_dir, export_family
+from .kv_only import add_kv_boundary
+from .manifest import GraphEntry, Manifest, file_sha256, load_manifest
+from .qdq import boundary_params, quantize_graph, strip_boundary
+from .quant_params import FamilyQuant, Quant, QuantOptions, TensorQuant
+from .sources import LoadedModel
+from .weight_file import WeightFileWriter
+
+CALIB_NEW_TOKENS = 24  # greedy tokens per calibration prompt: decode steps at growing lengths
+INLINE_LIMIT = 1024  # bytes; smaller initializers (activation scales, shapes) stay inside each graph
+
+
+def family_quant(traces: Traces, quant: QuantOptions) -> FamilyQuant:
+    """Boundary parameters from the traces: KV per tensor from the union of past and new ranges."""
+    kv = tuple(TensorQuant.from_range(lo, hi, quant.kv_bits.dtype) for lo, hi in zip(traces.kv_min, traces.kv_max))
+    if quant.quant is Quant.KV_ONLY:
+        return FamilyQuant(quant=quant.quant, kv=kv)
+    return FamilyQuant(quant=quant.quant, kv=kv, rope=TensorQuant.from_range(-1.0, 1.0, "uint16"),
+                       mask=TensorQuant.from_range(quant.mask_value, 0.0, "uint16"),
+                       logits=TensorQuant.from_range(traces.logits_min, traces.logits_max, "uint16"),
+                       mask_value=quant.mask_value)
+
+
+def io_dtypes(fq: FamilyQuant) -> IODtypes:
+    f = "float32"
+    return IODtypes(kv=fq.kv_dtype, rope=fq.rope.dtype if fq.rope else f, mask=fq.mask.dtype if fq.mask else f,
+                    logits=fq.logits.dtype if fq.logits else f)
+
+
+def weight_overrides(quant: Quant, config) -> dict[str, list[dict]]:
+    """Embedding and lm_head stay 8-bit under w4a16 (the issue's choice; they dominate the error otherwise)."""
+    from onnxruntime.quantization import QuantType
+
+    if quant is not Quant.W4A16:
+        return {}
+    names = ["embed_t"] if config.tie_word_embeddings else ["embed", "lm_head_t"]  # htp_graph.py's names
+    return {n: [{"quant_type": QuantType.QUInt8, "symmetric": False}] for n in names}
+
+
+class _SharedInitializers:
+    """Moves a graph's large initializers into the family's weight file, each name once."""
+
+    def __init__(self, writer: WeightFileWriter) -> None:
+        self.writer, self._sha = writer, {}
+
+    def absorb(self, model: onnx.ModelProto) -> None:
+        for i, init in enumerate(model.graph.initializer):
+            raw = init.raw_data
+            if len(raw) < INLINE_LIMIT:
+                continue
+            sha = hashlib.sha256(raw).hexdigest()
+            if init.name not in self._sha:
+                self.writer.add(init.name, np.frombuffer(raw, np.uint8))
+                self._sha[init.name] = sha
+            elif self._sha[init.name] != sha:  # the same weight must quantize identically in every graph
+                raise ExportError(f"initializer {init.name} differs between graphs of one family")
+            proto = self.writer.proto(init.name)
+            proto.data_type = init.data_type  # the bytes were written raw (4-bit types stay packed)
+            del proto.dims[:]
+            proto.dims.extend(init.dims)
+            model.graph.initializer[i].CopyFrom(proto)
+
+
+def _prompt_ids(float_dir: Path, prompts: list[str]) -> tuple[list[list[int]], tuple[int, ...]]:
+    from staticlm.runtime.chat import ChatSession, TemplateInfo
+    from staticlm.runtime.chat_template import Message
+    from staticlm.runtime.tokenizer import Tokenizer
+
+    m = load_manifest(float_dir)
+    st = m.special_tokens
+    tok = Tokenizer.from_file(float_dir / m.tokenizer_file, bos_token_id=st.bos_token_id,
+                              eos_token_ids=st.eos_token_ids, add_bos_token=st.add_bos_token)
+
+    class _Gen:  # ChatSession only needs the tokenizer to build prompt ids
+        tokenizer = tok
+
+    chat = ChatSession(_Gen(), TemplateInfo(m.chat_template, st.bos_token, st.eos_token))
+    return [chat.prompt_ids([Message(role="user", content=p)]) for p in prompts], tuple(st.eos_token_ids)
+
+
+def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
+                            prompts: list[str] | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
+    """Write the quantized family into out_dir atomically; returns its manifest."""
+    config, out_dir = model.config, Path(out_dir)
+    options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see htp_graph.py
+    options.validate(config.max_positions)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    step = on_step or (lambda _name: None)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.q.", dir=out_dir.parent))
+    try:
+        float_dir = work / "float"
+        fm = export_family(model, float_dir, options=options)
+        step("float family")
+        ids, eos = _prompt_ids(float_dir, prompts or calibration_prompts())
+        traces = record_traces(float_dir, ids, max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS,
+                               eos_ids=eos, on_prompt=lambda: step("calibration trace"))
+        fq = family_quant(traces, quant)
+        final = work / "family"
+        final.mkdir()
+        if quant.quant is Quant.KV_ONLY:  # float weights, unchanged: the float family's file as it is
+            shutil.copyfile(float_dir / WEIGHTS_FILE, final / WEIGHTS_FILE)
+            weights_bytes, weights_sha = fm.weights_bytes, fm.weights_sha256
+        else:
+            writer = WeightFileWriter(final / WEIGHTS_FILE)
+            shared = _SharedInitializers(writer)
+        entries = []
+        for entry in fm.graphs:
+            pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
+            if quant.quant is Quant.KV_ONLY:
+                proto = add_kv_boundary(onnx.load(str(float_dir / entry.file), load_external_data=False), pinned)
+            else:
+                feeds = StepFeeds(entry.inputs, entry.shape, num_kv_heads=config.num_kv_heads,
+                                  head_dim=config.head_dim, rope_theta=config.rope_theta,
+                                  max_positions=config.max_positions, mask_value=fq.mask_value)
+                qpath = work / "q" / entry.file
+                qpath.parent.mkdir(exist_ok=True)
+                quantize_graph(float_dir / entry.file, qpath, reader=trace_reader(feeds, traces.steps),
+                               quant=quant.quant, pinned=pinned, weight_overrides=weight_overrides(quant.quant, config))
+                proto = strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned)
+                shared.absorb(proto)
+                shutil.rmtree(qpath.parent)
+                qpath.parent.mkdir()
+            onnx.save_model(proto, final / entry.file)
+            inputs, outputs = graph_io(config, entry.shape, dtypes=io_dtypes(fq))
+            entries.append(GraphEntry(name=entry.name, file=entry.file, kind=entry.kind, shape=entry.shape,
+                                      inputs=inputs, outputs=outputs, sha256=file_sha256(final / entry.file)))
+            step(entry.name)
+        if quant.quant is not Quant.KV_ONLY:
+            weights_bytes, weights_sha = writer.close()
+        shutil.copyfile(float_dir / TOKENIZER_FILE, final / TOKENIZER_FILE)
+        manifest = Manifest(
+            model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
+            weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=fm.chat_template,
+            special_tokens=fm.special_tokens, kv_dtype=fq.kv_dtype, quantization=fq.to_dict(), source=fm.source,
+            extra={"target": "htp", "calib_steps": len(traces.steps), "calib_prompts": len(ids)})
+        manifest.save(final)
+        step("manifest")
+        _replace_dir(final, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def num_quant_steps(options: ExportOptions, num_prompts: int) -> int:
+    return 1 + num_prompts + len(options.shapes()) + 1
