@@ -76,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--answers", type=int, default=3, help="greedy chat answers shown side by side (default 3)")
     v.add_argument("--device", default="cpu", help="cpu (default) or htp")
     v.add_argument("--json", action="store_true")
+    b = sub.add_parser("bench", help="decode/prefill speed, KV strategies and BMC microbenchmark, against the peers")
+    b.add_argument("--model", type=Path, default=None, help="exported model directory (default: the embedded SmolLM2)")
+    b.add_argument("--threads", type=int, default=2, help="CPU threads for ours and every peer (default 2)")
+    b.add_argument("--contexts", default=None, help="decode contexts (default 128,512,1024,2048, those that fit)")
+    b.add_argument("--prompt-len", type=int, default=None, help="prefill/TTFT prompt tokens (default 1000)")
+    b.add_argument("--peers", default="all", help="all (default; skipped when not installed), none, or a list of "
+                   "genai,llamacpp,optimum,transformers")
+    b.add_argument("--out", type=Path, default=None, help="output directory (default ./bench-<timestamp>)")
+    b.add_argument("--long-gen", type=int, default=None, help="tokens of the per-position latency run (default 1024)")
+    b.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat, small microbenchmark")
     a = sub.add_parser("app", help="the desktop chat window (the terminal chat where there is no display)")
     _add_run_options(a)
     _add_sampling_options(a)
@@ -127,8 +137,6 @@ def dispatch(args) -> int:
     if args.command == "generate" and args.num_responses != 1:
         from .cmd_generate_batch import run_generate_batch
 
-        if args.speculate != "none":
-            raise ValueError("--num-responses does not combine with --speculate yet")
         run_generate_batch(prompt=args.prompt, run=_run_options(args), params=_generation_params(args),
                            num_responses=args.num_responses, chat=args.chat, system_prompt=args.system,
                            as_json=args.json)
@@ -143,6 +151,14 @@ def dispatch(args) -> int:
         from .terminal_chat import run_chat
 
         return run_chat(run=_run_options(args), params=_generation_params(args), system_prompt=args.system)
+    if args.command == "bench":
+        from .bench_types import BenchOptions, parse_contexts, parse_peers
+        from .cmd_bench import run_bench
+
+        run_bench(BenchOptions(model_dir=args.model, threads=args.threads, contexts=parse_contexts(args.contexts),
+                               prompt_len=args.prompt_len, peers=parse_peers(args.peers), out_dir=args.out,
+                               quick=args.quick, long_gen=args.long_gen))
+        return 0
     if args.command == "app":
         from .gui_app import launch
 

@@ -8,6 +8,7 @@ import time
 from staticlm.runtime.batch import BatchGenerator
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.generator import FinishReason, GenerationParams
+from staticlm.runtime.speculate_options import SpeculateOptions, build_speculator
 
 from .common import RunOptions, open_chat, open_engine
 from .interrupt import StopFlag, sigint_sets
@@ -22,7 +23,9 @@ def run_generate_batch(*, prompt: str, run: RunOptions, params: GenerationParams
     tokenizer = session.generator.tokenizer
     ids = (session.prompt_ids([Message(role="user", content=prompt)]) if chat
            else tokenizer.encode(prompt, add_special_tokens=True))
-    batch = BatchGenerator(engine, tokenizer, num_responses=num_responses)
+    speculator = build_speculator(SpeculateOptions.parse(run.speculate, fixed_length=run.draft_len), engine=engine,
+                                  tokenizer=tokenizer, engine_options=engine.options, num_sequences=num_responses)
+    batch = BatchGenerator(engine, tokenizer, num_responses=num_responses, speculator=speculator)
     batch.batch.warm_up()
     flag = StopFlag()
     t0 = time.perf_counter()
@@ -39,6 +42,12 @@ def run_generate_batch(*, prompt: str, run: RunOptions, params: GenerationParams
         "mean_response_s": round(sum(r.last_token_s for r in responses) / len(responses), 4),
         "device": engine.device_name, "kv_copied_bytes": int(batch.batch.kv.stats.copied_bytes),
     }
+    if speculator is not None:
+        counters = batch.batch.counters
+        summary.update(drafted_tokens=speculator.stats.num_drafted, accepted_tokens=speculator.stats.num_accepted,
+                       verify_steps=speculator.stats.num_steps, decode_steps=counters.num_decode_steps,
+                       acceptance_rate=round(speculator.stats.acceptance_rate, 3),
+                       verify_rows=counters.num_verify_rows, verify_real_rows=counters.num_verify_tokens)
     if as_json:
         print(json.dumps(summary))
     else:

@@ -13,7 +13,8 @@ import sys
 CLI_TO_SETTINGS = {"model": "model_dir", "device": "device", "threads": "num_threads", "kv_strategy": "kv_strategy",
                    "kv_reserve": "kv_reserve", "on_overflow": "overflow", "max_new_tokens": "max_new_tokens",
                    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                   "repetition_penalty": "repetition_penalty", "system": "system_prompt", "ignore_eos": "ignore_eos"}
+                   "repetition_penalty": "repetition_penalty", "system": "system_prompt", "ignore_eos": "ignore_eos",
+                   "speculate": "speculate"}
 
 _KEEP_UNTIL_EXIT: list = []
 

@@ -33,12 +33,14 @@ class AppSettings:
     overflow: Overflow = Overflow.SLIDE  # a chat app keeps talking; the CLI's default is to refuse
     kv_strategy: Strategy = Strategy.POINTER
     num_threads: int = 0  # 0: physical cores
+    speculate: str = "none"  # none, lookup or draft:DIR (speculative decoding; see runtime/speculate_options.py)
     ignore_eos: bool = False  # benchmarks and tests only; not in the dialog
 
     # -- what a change means -------------------------------------------------------------------
     def engine_key(self) -> tuple:
         """Settings the engine is built from: a change here reloads it."""
-        return (self.model_dir, self.device, self.kv_reserve, self.overflow, self.kv_strategy, self.num_threads)
+        return (self.model_dir, self.device, self.kv_reserve, self.overflow, self.kv_strategy, self.num_threads,
+                self.speculate)
 
     def needs_reload(self, other: AppSettings) -> bool:
         return self.engine_key() != other.engine_key()
@@ -49,7 +51,7 @@ class AppSettings:
         return RunOptions(model_dir=Path(self.model_dir).expanduser() if self.model_dir else None,
                           device=self.device.value, num_threads=self.num_threads or None,
                           kv_strategy=self.kv_strategy.value, kv_reserve=self.kv_reserve,
-                          overflow=self.overflow.value)
+                          overflow=self.overflow.value, speculate=self.speculate)
 
     def generation_params(self):
         from staticlm.runtime.generator import GenerationParams
@@ -165,7 +167,14 @@ class SettingsDialog(QDialog):
         self.overflow.setCurrentText(settings.overflow.value)
         self.overflow.setToolTip("error: stop with a message when the context is full; slide: drop the oldest tokens")
         form.addRow("Context overflow", self.overflow)
-        note = QLabel("Changing the model, device or KV options reloads the model.")
+        self.speculate = QComboBox()
+        self.speculate.setEditable(True)  # draft:DIR is typed
+        self.speculate.addItems(["none", "lookup"])
+        self.speculate.setCurrentText(settings.speculate)
+        self.speculate.setToolTip("lookup: drafts copied from the conversation, verified in one call (same output, "
+                                  "faster on rewrites and edits); draft:DIR: a smaller exported model drafts")
+        form.addRow("Speculative decoding", self.speculate)
+        note = QLabel("Changing the model, device, KV or speculation options reloads the model.")
         note.setStyleSheet("color:#57606a")
 
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
@@ -187,7 +196,8 @@ class SettingsDialog(QDialog):
             self._base, model_dir=self.model_dir.text().strip(), device=Device(self.device.currentText()),
             temperature=round(self.temperature.value(), 3), top_p=round(self.top_p.value(), 3),
             max_new_tokens=self.max_new_tokens.value(), system_prompt=self.system_prompt.toPlainText(),
-            kv_reserve=round(self.kv_reserve.value(), 3), overflow=Overflow(self.overflow.currentText()))
+            kv_reserve=round(self.kv_reserve.value(), 3), overflow=Overflow(self.overflow.currentText()),
+            speculate=self.speculate.currentText().strip() or "none")
 
 
 def _spin(lo: float, hi: float, step: float, value: float, tip: str) -> QDoubleSpinBox:

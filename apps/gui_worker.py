@@ -130,7 +130,7 @@ class GenerationWorker(QObject):
                 self._check_cancel()
                 self.progress.emit(f"Loading {entry.name} on {engine.device_name}", i, len(graphs))
                 engine.runner(entry)
-            session = open_chat(engine, system_prompt=settings.system_prompt_or_none)
+            session = open_chat(engine, system_prompt=settings.system_prompt_or_none, run=opts)
             session.messages = _messages_in(messages)
             self.engine, self.session, self.probe = engine, session, KVProbe(engine)
         except Cancelled:

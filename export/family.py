@@ -62,6 +62,10 @@ class ExportOptions:
                 out.append((f"decode_s{s}_b{b}", GraphKind.DECODE, GraphShape(b, 1, s - 1)))
             for ar in sorted({*self.verify_lens, self.prefill_len}):
                 out.append((f"prefill_s{s}_ar{ar}", GraphKind.PREFILL, GraphShape(1, ar, s - ar)))
+            # Batched verify (BASS-PAD): every sequence's drafts padded to one AR, each its own window.
+            for b in sorted(set(self.batch_sizes)):
+                for ar in sorted(set(self.verify_lens)):
+                    out.append((f"prefill_s{s}_ar{ar}_b{b}", GraphKind.PREFILL, GraphShape(b, ar, s - ar)))
         return out
 
 

@@ -64,11 +64,15 @@ class _Stream:
 
 
 class BatchGenerator:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, num_responses: int) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, num_responses: int, speculator=None) -> None:
         if num_responses < 2:
             raise ValueError(f"--num-responses must be >= 2 for a batch, got {num_responses}")
         self.engine, self.tokenizer = engine, tokenizer
         self.batch = Engine(engine.model_dir, options=engine.options, batch=num_responses, weights_from=engine)
+        self.speculator = speculator  # a BatchSpeculator, or None
+        if speculator is not None and not self.batch.verify_lens:
+            raise ValueError(f"{engine.model_dir} has no batched verify graphs for {num_responses} responses: "
+                             f"export it with --batch-sizes {num_responses}")
         self.rng = np.random.default_rng()
 
     def generate(self, prompt_ids: list[int], params: GenerationParams, *,
@@ -85,25 +89,40 @@ class BatchGenerator:
         self.batch.load_prefix(self.engine)
         eos = set(self.tokenizer.eos_token_ids)
         streams = [_Stream(self.tokenizer, params) for _ in range(num)]
-        tokens = np.array([sample(logits, params.sampling, rng=self.rng, history=prompt_ids) for _ in range(num)],
-                          np.int64)
+        # Per sequence, tokens to show: all but the last are already in the cache; the last is pending.
+        fresh = [[sample(logits, params.sampling, rng=self.rng, history=prompt_ids)] for _ in range(num)]
+        last = np.zeros(num, np.int64)  # [B] the pending tokens
         active = np.ones(num, bool)
         while True:
             now = time.perf_counter() - t0
             for seq in np.flatnonzero(active).tolist():
-                text = streams[seq].push(int(tokens[seq]), eos=eos, params=params, now=now)
-                if text:
-                    on_text(seq, text)
-                if streams[seq].reason is not None:
-                    active[seq] = False
+                last[seq] = fresh[seq][-1]
+                for token in fresh[seq]:
+                    text = streams[seq].push(token, eos=eos, params=params, now=now)
+                    if text:
+                        on_text(seq, text)
+                    if streams[seq].reason is not None:
+                        active[seq] = False
+                        break
             if not active.any():
                 break
             if should_stop():
                 for seq in np.flatnonzero(active).tolist():
                     streams[seq].reason = FinishReason.CANCELLED
                 break
-            out = self.batch.decode_batch(tokens, active=active)  # [B, V]
-            for seq in np.flatnonzero(active).tolist():
-                tokens[seq] = sample(out[seq], params.sampling, rng=self.rng, history=prompt_ids + streams[seq].ids)
+            fresh = self._step(last, active=active, prompt_ids=prompt_ids, streams=streams, params=params)
         return [Response(token_ids=s.ids, text="".join(s.pieces), finish_reason=s.reason,
                          first_token_s=s.first_s, last_token_s=s.last_s) for s in streams]
+
+    def _step(self, last: np.ndarray, *, active: np.ndarray, prompt_ids: list[int], streams: list[_Stream],
+              params: GenerationParams) -> list[list[int]]:
+        """One batched call: a verify step when speculation runs and pays, else one decode step."""
+        if self.speculator is not None:
+            contexts = [prompt_ids + s.ids for s in streams]
+            fresh = self.speculator.step(self.batch, last, active=active, contexts=contexts, params=params.sampling,
+                                         rng=self.rng)
+            if fresh is not None:
+                return fresh
+        out = self.batch.decode_batch(last, active=active)  # [B, V]
+        return [[sample(out[seq], params.sampling, rng=self.rng, history=prompt_ids + streams[seq].ids)]
+                if active[seq] else [] for seq in range(len(streams))]

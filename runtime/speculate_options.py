@@ -35,8 +35,13 @@ class SpeculateOptions:
         return cls(mode, None, fixed_length)
 
 
-def build_speculator(options: SpeculateOptions, *, engine, tokenizer, engine_options=None):
-    """The Speculator for these options (None for none); a draft model must share the tokenizer."""
+def build_speculator(options: SpeculateOptions, *, engine, tokenizer, engine_options=None, num_sequences: int = 1):
+    """The Speculator for these options (None for none); a draft model must share the tokenizer.
+
+    num_sequences > 1: a BatchSpeculator with one drafter per sequence (each draft model on its own
+    KV buffers, all sharing one weight mapping).
+    """
+    from .batch_speculative import BatchSpeculator
     from .drafters import DraftModelDrafter, PromptLookupDrafter
     from .speculative import DraftLength, Speculator
 
@@ -44,14 +49,20 @@ def build_speculator(options: SpeculateOptions, *, engine, tokenizer, engine_opt
         return None
     length = DraftLength(initial=options.fixed_length, fixed=True) if options.fixed_length else DraftLength()
     if options.mode is SpeculateMode.LOOKUP:
-        return Speculator(PromptLookupDrafter(), length=length)
-    from .engine import Engine, EngineOptions
+        drafters = [PromptLookupDrafter()] * num_sequences  # stateless: one serves every sequence
+    else:
+        from .engine import Engine, EngineOptions
 
-    draft = Engine(options.draft_dir, options=engine_options or EngineOptions())
-    if draft.manifest.model.vocab_size != engine.manifest.model.vocab_size or \
-            _tokenizer_bytes(draft) != _tokenizer_bytes(engine):
-        raise ValueError(f"the draft model {options.draft_dir} does not share the target's tokenizer")
-    return Speculator(DraftModelDrafter(draft, tokenizer), length=length)
+        first = Engine(options.draft_dir, options=engine_options or EngineOptions())
+        if first.manifest.model.vocab_size != engine.manifest.model.vocab_size or \
+                _tokenizer_bytes(first) != _tokenizer_bytes(engine):
+            raise ValueError(f"the draft model {options.draft_dir} does not share the target's tokenizer")
+        engines = [first] + [Engine(options.draft_dir, options=first.options, weights_from=first)
+                             for _ in range(num_sequences - 1)]
+        drafters = [DraftModelDrafter(e, tokenizer) for e in engines]
+    if num_sequences > 1:
+        return BatchSpeculator(drafters, length=length)
+    return Speculator(drafters[0], length=length)
 
 
 def _tokenizer_bytes(engine) -> bytes:

@@ -69,6 +69,36 @@ def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.size - 1))
 
 
+def speculation_pays(cost_ratio: float | None, *, acceptance: float, num_draft: int) -> bool:
+    """Expected tokens per verify step, (1 - a^(k+1)) / (1 - a), against its measured cost in decode steps."""
+    if cost_ratio is None:
+        return True  # not measured yet: try it
+    a = min(acceptance, 0.999)
+    return (1 - a ** (num_draft + 1)) / (1 - a) > cost_ratio
+
+
+def accept_draft(logits: np.ndarray, draft: list[int], proposals: list[np.ndarray] | None, *,
+                 params: SamplingParams, context: list[int], rng: np.random.Generator) -> tuple[list[int], int]:
+    """Speculative sampling over one sequence's verify rows: (accepted draft tokens, the next token).
+
+    logits [>= len(draft) + 1, V]: row i scores the token after input i (input 0 is the last sampled token).
+    """
+    accepted: list[int] = []
+    for i, token in enumerate(draft):
+        p = distribution(logits[i], params, history=context + accepted)
+        q = proposals[i] if proposals is not None else None
+        q_token = q[token] if q is not None else 1.0
+        if rng.random() * q_token < p[token]:  # accept with probability min(1, p/q)
+            accepted.append(token)
+            continue
+        residual = np.maximum(p - q, 0.0) if q is not None else p.copy()
+        if q is None:
+            residual[token] = 0.0
+        return accepted, (_draw(residual, rng) if residual.sum() > 0 else _draw(p, rng))
+    # Every draft accepted: the last row gives a bonus token for free.
+    return accepted, _draw(distribution(logits[len(draft)], params, history=context + accepted), rng)
+
+
 class Speculator:
     """Drafts, verifies, accepts; and only speculates while it pays.
 
@@ -88,11 +118,8 @@ class Speculator:
         self._num_skipped = 0
 
     def _pays(self, engine, num_draft: int) -> bool:
-        ratio = engine.verify_cost_ratio(engine.verify_len(num_draft + 1))
-        if ratio is None:
-            return True
-        a = min(self._acceptance, 0.999)
-        return (1 - a ** (num_draft + 1)) / (1 - a) > ratio
+        return speculation_pays(engine.verify_cost_ratio(engine.verify_len(num_draft + 1)),
+                                acceptance=self._acceptance, num_draft=num_draft)
 
     def step(self, gen: Generator, params: SamplingParams) -> list[int] | None:
         """One draft-and-verify step after gen's pending token; the new tokens, or None to decode plainly."""
@@ -111,22 +138,7 @@ class Speculator:
             if self._num_skipped % self.probe_every:
                 return None
         logits = engine.verify([last, *draft])  # [n, V]: row i predicts the token after input i
-        accepted: list[int] = []
-        nxt = None
-        for i, token in enumerate(draft):
-            p = distribution(logits[i], params, history=context + accepted)
-            q = proposals[i] if proposals is not None else None
-            q_token = q[token] if q is not None else 1.0
-            if gen.rng.random() * q_token < p[token]:  # accept with probability min(1, p/q)
-                accepted.append(token)
-                continue
-            residual = np.maximum(p - q, 0.0) if q is not None else p.copy()
-            if q is None:
-                residual[token] = 0.0
-            nxt = _draw(residual, gen.rng) if residual.sum() > 0 else _draw(p, gen.rng)
-            break
-        if nxt is None:  # every draft accepted: the last row gives a bonus token for free
-            nxt = _draw(distribution(logits[len(draft)], params, history=context + accepted), gen.rng)
+        accepted, nxt = accept_draft(logits, draft, proposals, params=params, context=context, rng=gen.rng)
         engine.commit(1 + len(accepted))
         gen.commit_speculated(last, accepted, nxt)
         self.length.update(len(accepted))

@@ -83,6 +83,16 @@ def test_send_streams_tokens_into_the_view(qtbot, make_window, base_settings):
     assert "cpu" in window.status_device.text()
 
 
+def test_lookup_speculation_in_the_app_gives_the_same_greedy_answer(qtbot, make_window, base_settings):
+    plain = make_window(base_settings)
+    want = ask(qtbot, plain, "abcabcabc abcabc")
+    fast = make_window(replace(base_settings, speculate="lookup"))
+    speculator = fast.worker.session.generator.speculator
+    assert speculator is not None
+    assert "".join(ask(qtbot, fast, "abcabcabc abcabc")) == "".join(want)
+    assert speculator.stats.num_steps > 0
+
+
 def test_enter_sends_and_shift_enter_adds_a_line(qtbot, make_window, base_settings):
     window = make_window(base_settings, load=False)
     sent: list[str] = []

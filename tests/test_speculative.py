@@ -142,3 +142,88 @@ def test_smollm2_greedy_lookup_identical_and_fewer_steps(smollm2_family):
     assert gen.generate(ids, params).token_ids == plain
     assert speculator.stats.num_accepted > 0
     assert speculator.stats.num_steps + (48 - speculator.stats.num_accepted - speculator.stats.num_steps) < 48
+
+
+class _NoiseDrafter:
+    """Random drafts of random length: mostly rejected, so acceptance differs from the other sequences'."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, context, num_tokens, *, params, rng):
+        return self.rng.integers(0, 256, self.rng.integers(1, num_tokens + 1)).tolist(), None
+
+
+def test_tiny_batched_speculation_with_ragged_acceptance_equals_transformers(tiny_chat_family, tiny_draft_family,
+                                                                              tiny_hf_model):
+    """BASS-PAD: four sequences of different lengths draft, verify in one call, accept their own counts."""
+    from staticlm.runtime.batch_speculative import BatchSpeculator
+
+    tok = open_tokenizer(tiny_chat_family)
+    prompt = tok.encode("abcabcabc abcabc", add_special_tokens=False)
+    tails = ["abcabc", "xyz", "q", "the cat sat on the mat, the cat"]  # ragged, and unequally predictable
+    single = Engine(tiny_chat_family, options=CPU)
+    single.prefill(prompt)
+    batch = Engine(tiny_chat_family, options=CPU, batch=4, weights_from=single)
+    batch.load_prefix(single)
+    prefixes = [prompt + tok.encode(t, add_special_tokens=False) for t in tails]
+    logits = np.zeros((4, batch.config.vocab_size), np.float32)
+    for step in range(max(len(p) for p in prefixes) - len(prompt)):
+        active = np.array([len(prompt) + step < len(p) for p in prefixes])
+        fed = np.array([p[len(prompt) + step] if a else 0 for p, a in zip(prefixes, active)])
+        out = batch.decode_batch(fed, active=active)
+        logits[active] = out[active]
+    num_new = 24
+    generated = [[int(np.argmax(logits[b]))] for b in range(4)]  # the last token of each is pending
+    greedy = SamplingParams(temperature=0.0)
+    draft_model = DraftModelDrafter(Engine(tiny_draft_family, options=CPU), open_tokenizer(tiny_draft_family))
+    drafters = [PromptLookupDrafter(), _NoiseDrafter(1), draft_model, _NoiseDrafter(2)]
+    speculator = BatchSpeculator(drafters, probe_every=1)  # always verify (no cost gate)
+    rng = np.random.default_rng(0)
+    ragged_steps = 0
+    while True:
+        active = np.array([len(g) < num_new for g in generated])
+        if not active.any():
+            break
+        last = np.array([g[-1] for g in generated])
+        fresh = speculator.step(batch, last, active=active, contexts=[p + g for p, g in zip(prefixes, generated)],
+                                params=greedy, rng=rng)
+        if fresh is None:  # nobody had a draft: one plain batched decode step
+            out = batch.decode_batch(last, active=active)
+            fresh = [[int(np.argmax(out[b]))] if active[b] else [] for b in range(4)]
+        ragged_steps += len({len(fresh[b]) for b in np.flatnonzero(active)}) > 1
+        for b in np.flatnonzero(active):
+            generated[b].extend(fresh[b])
+    for b in range(4):
+        assert generated[b][:num_new] == hf_greedy(tiny_hf_model, prefixes[b], num_new), f"sequence {b}"
+    # Exactly the accepted rows were committed, and they hold the right K/V: the next step's logits agree.
+    assert batch.kv.lengths.tolist() == [len(p) + len(g) - 1 for p, g in zip(prefixes, generated)]
+    out = batch.decode_batch(np.array([g[-1] for g in generated]), active=np.ones(4, bool))
+    for b in range(4):
+        with torch.no_grad():
+            want = tiny_hf_model(torch.tensor([prefixes[b] + generated[b]])).logits[0, -1].numpy()
+        np.testing.assert_allclose(out[b], want, atol=1e-3, err_msg=f"sequence {b}")
+    assert speculator.stats.num_steps > 0 and speculator.stats.num_accepted > 0
+    assert ragged_steps > 0  # sequences accepted different numbers of drafts in one call
+    # one copy of the prompt per sequence at the start; rejected and padding rows were never copied
+    bytes_per_row = batch.kv.spec.num_tensors * batch.kv.spec.head_dim * 4
+    assert batch.kv.stats.copied_bytes == 4 * len(prompt) * bytes_per_row
+
+
+def test_tiny_num_responses_with_lookup_cli_equals_transformers(tiny_chat_family, tiny_hf_model):
+    import json
+    import subprocess
+    import sys
+
+    prompt = "abcabcabc abcabc abc"
+    out = subprocess.run([sys.executable, "-m", "staticlm.apps.cli", "generate", "--model", str(tiny_chat_family),
+                          "--prompt", prompt, "--no-chat", "--num-responses", "4", "--speculate", "lookup",
+                          "--max-new-tokens", "20", "--ignore-eos", "--json", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.splitlines()[-1])
+    ids = open_tokenizer(tiny_chat_family).encode(prompt, add_special_tokens=True)
+    want = hf_greedy(tiny_hf_model, ids, 20)
+    assert [r["token_ids"] for r in summary["responses"]] == [want] * 4
+    assert summary["verify_steps"] > 0 and summary["accepted_tokens"] > 0
+    assert summary["verify_real_rows"] <= summary["verify_rows"]
