@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from .sampling import SamplingParams
-from .speculative import DraftLength, Drafter, SpeculationStats, accept_draft, speculation_pays
+from .speculative import (DraftLength, Drafter, SpeculationStats, accept_draft, fit_to_verify_graphs,
+                          speculation_pays)
 
 PAD_TOKEN = 0  # fills the rows past a sequence's own draft; causal masking keeps real rows from seeing them
 
@@ -35,7 +36,7 @@ class BatchSpeculator:
         if not engine.verify_lens:
             return None
         seqs = np.flatnonzero(active).tolist()
-        max_draft = min(self.length.current, engine.verify_lens[-1] - 1)
+        max_draft = fit_to_verify_graphs(self.length.current, engine.verify_lens)
         drafts: dict[int, list[int]] = {}
         proposals: dict[int, list[np.ndarray] | None] = {}
         for b in seqs:
@@ -60,7 +61,7 @@ class BatchSpeculator:
         logits = engine.verify(ids, num_real=num_real)  # [B, n, V]
         commits = np.zeros(engine.batch, np.int64)
         out: list[list[int]] = [[] for _ in range(engine.batch)]
-        best = 0
+        best = longest_full = 0  # BASS grows the length when some sequence accepted its whole draft
         for b in seqs:
             draft = drafts[b]
             q = proposals[b][:len(draft)] if proposals[b] is not None else None
@@ -68,11 +69,13 @@ class BatchSpeculator:
             commits[b] = 1 + len(accepted)
             out[b] = [*accepted, nxt]
             best = max(best, len(accepted))
+            if len(accepted) == len(draft):
+                longest_full = max(longest_full, len(draft))
             self.stats.num_drafted += len(draft)
             self.stats.num_accepted += len(accepted)
         engine.commit(commits)
         self.stats.num_steps += 1
-        self.length.update(best)
+        self.length.update(best, longest_full if longest_full else None)
         num_drafted = sum(len(drafts[b]) for b in seqs)
         if num_drafted:
             self._acceptance = 0.8 * self._acceptance + 0.2 * sum(int(c) - 1 for c in commits) / num_drafted

@@ -41,10 +41,11 @@ class DraftLength:
     def __post_init__(self) -> None:
         self.current = self.initial
 
-    def update(self, num_accepted: int) -> None:
+    def update(self, num_accepted: int, num_drafted: int | None = None) -> None:
+        """num_drafted: what was actually drafted (the verify graphs may have cut `current`); default current."""
         if self.fixed:
             return
-        if num_accepted >= self.current:
+        if num_accepted >= (self.current if num_drafted is None else num_drafted):
             self.current = min(self.current + self.increment, self.limit)
             self._decreasing = 0
         else:
@@ -67,6 +68,13 @@ class SpeculationStats:
 def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs)
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.size - 1))
+
+
+def fit_to_verify_graphs(num_draft: int, verify_lens: tuple[int, ...]) -> int:
+    """A draft length mapped onto the exported verify graphs: the longest that fills one exactly (a few
+    more tokens would pay for the next graph's padding rows too); below the smallest graph, itself."""
+    fitting = [ar - 1 for ar in verify_lens if ar - 1 <= num_draft]
+    return max(fitting) if fitting else num_draft
 
 
 def speculation_pays(cost_ratio: float | None, *, acceptance: float, num_draft: int) -> bool:
@@ -127,7 +135,7 @@ class Speculator:
         if last is None or not engine.verify_lens:
             return None
         context = gen.tokens + [last]
-        max_draft = min(self.length.current, engine.verify_lens[-1] - 1)
+        max_draft = fit_to_verify_graphs(self.length.current, engine.verify_lens)
         draft, proposals = self.drafter.propose(context, max_draft, params=params, rng=gen.rng)
         while draft and engine.verify_len(len(draft) + 1) is None:
             draft = draft[:-1]  # near the end of the ladder a shorter verify graph may still fit
@@ -141,7 +149,7 @@ class Speculator:
         accepted, nxt = accept_draft(logits, draft, proposals, params=params, context=context, rng=gen.rng)
         engine.commit(1 + len(accepted))
         gen.commit_speculated(last, accepted, nxt)
-        self.length.update(len(accepted))
+        self.length.update(len(accepted), len(draft))
         self._acceptance = 0.8 * self._acceptance + 0.2 * len(accepted) / len(draft)
         self.stats.num_steps += 1
         self.stats.num_drafted += len(draft)

@@ -58,6 +58,17 @@ def test_draft_length_follows_bass_algorithm_1():
     assert fixed.current == 4
 
 
+def test_draft_length_maps_onto_the_exported_verify_graphs():
+    from staticlm.runtime.speculative import fit_to_verify_graphs
+
+    lens = (4, 8, 16)
+    assert [fit_to_verify_graphs(n, lens) for n in (1, 2, 3, 6, 7, 9, 14, 15, 32)] == [1, 2, 3, 3, 7, 7, 7, 15, 15]
+    policy = DraftLength()
+    policy.update(7)  # 7 -> 9, of which the AR=8 graph takes 7
+    policy.update(7, num_drafted=7)  # the whole (cut) draft accepted: still growing
+    assert policy.current == 11
+
+
 def test_prompt_lookup_copies_what_followed_the_last_match():
     drafter = PromptLookupDrafter(max_ngram=2)
     rng = np.random.default_rng(0)
