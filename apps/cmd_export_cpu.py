@@ -41,6 +41,6 @@ def run_export_cpu(*, model: str, out_dir: Path, options: ExportOptions, target:
                                      on_step=lambda name: progress.update(task, advance=1, description=f"wrote {name}"))
     if not quiet:
         files = sorted({g.file for g in manifest.graphs})
-        print(f"exported {len(files)} int{int(cpu.bits)} CPU graphs ({', '.join(files)}) serving "
+        print(f"exported {len(files)} int{int(cpu.bits)} (head int{int(cpu.head)}) CPU graphs ({', '.join(files)}) serving "
               f"{len(manifest.graphs)} rungs to {out_dir} in {time.perf_counter() - t0:.1f} s")
     return Path(out_dir)
