@@ -2,6 +2,7 @@
 and the tiny torch Llama saved with save_pretrained."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import sys
@@ -168,10 +169,11 @@ def test_hf_dir_bf16_weights_are_widened(tiny_hf_dir, tiny_hf_model, tmp_path):
     shutil.copytree(tiny_hf_dir, target)
     for f in target.glob("*.safetensors"):
         f.unlink()
-    tiny_hf_model.to(torch.bfloat16).save_pretrained(target, safe_serialization=True)
-    tiny_hf_model.to(torch.float32)
+    # a copy: .to() casts in place, and the session's reference model must keep its float32 weights
+    bf16 = copy.deepcopy(tiny_hf_model).to(torch.bfloat16)
+    bf16.save_pretrained(target, safe_serialization=True)
     m = load_model(target)
-    ref = tiny_hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16).float().numpy()
+    ref = bf16.state_dict()["model.layers.0.self_attn.q_proj.weight"].float().numpy()
     np.testing.assert_array_equal(m.weights["model.layers.0.self_attn.q_proj.weight"], ref)
 
 
