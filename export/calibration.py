@@ -107,9 +107,10 @@ class StepFeeds:
                                              num_kv_heads=num_kv_heads)) for s in inputs if s.role in KV_INPUT_ROLES]
 
     def select(self, steps: tuple[TraceStep, ...]) -> tuple[TraceStep, ...]:
-        """Steps of this graph's kind (prefill chunks for AR > 1, decode tokens for AR = 1); any if none."""
-        same = tuple(s for s in steps if (s.token_ids.size > 1) == (self.shape.ar > 1))
-        return same or steps
+        """Every step whose tokens fit the graph: a decode token runs as row 0 of a multi-row graph exactly
+        as the runtime pads a short chunk (the same rows, the same padding), so one multi-row graph
+        calibrates the ranges of both kinds of step."""
+        return tuple(s for s in steps if s.token_ids.size <= self.shape.ar) or steps
 
     def feeds(self, step: TraceStep) -> dict[str, np.ndarray]:
         s, n = self.shape, step.position

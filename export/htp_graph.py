@@ -30,11 +30,12 @@ def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: We
     """Like llama_graph.write_weights, but Q, each K head and each V head are separate [in, out] tensors."""
     c, f32 = config, np.float32
     scale = 1.0 / np.sqrt(c.head_dim)  # folded into Wq, as in the float family
-    if c.tie_word_embeddings:  # one [hidden, V] table: the head's MatMul weight and the Gather's table
-        writer.add("embed_t", hf["model.embed_tokens.weight"].T.astype(f32))
-    else:
-        writer.add("embed", hf["model.embed_tokens.weight"].astype(f32))
-        writer.add("lm_head_t", hf["lm_head.weight"].T.astype(f32))
+    # Tied or not, the head gets its own [hidden, V] table: quantized per vocab column it keeps the logits'
+    # order (one per-tensor 8-bit table for Gather and head cost SmolLM2 top-1 agreement; QNN's Gather
+    # cannot read a per-column table). The quantized copy costs V x hidden bytes (28 MB for SmolLM2).
+    writer.add("embed", hf["model.embed_tokens.weight"].astype(f32))
+    head = hf["model.embed_tokens.weight"] if c.tie_word_embeddings else hf["lm_head.weight"]
+    writer.add("lm_head_t", head.T.astype(f32))
     writer.add("final_norm", hf["model.norm.weight"].astype(f32))
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."
@@ -72,17 +73,13 @@ class HTPLlamaGraph(LlamaGraph):
         return y
 
     def build(self, name: str):
-        """As LlamaGraph.build, but the head is a MatMul over a [hidden, V] table: QNN HTP rejects the
-        16-bit x 8-bit Gemm(transB) (FullyConnected, validation error 3110). A tied embedding is that same
-        table read by Gather on axis 1, so the weight is still stored once."""
+        """As LlamaGraph.build, but the head is a MatMul over its own [hidden, V] table: QNN HTP rejects the
+        16-bit x 8-bit Gemm(transB) (FullyConnected, validation error 3110)."""
         g, c, s = self.g, self.c, self.s
         self._norm_outputs: list[str] = []
         inputs, outputs = graph_io(c, s)
-        head = g.weight("embed_t" if c.tie_word_embeddings else "lm_head_t")  # [hidden, V]
-        if c.tie_word_embeddings:
-            h = g.op("Transpose", g.op("Gather", head, "input_ids", axis=1), perm=[1, 2, 0])  # [B, AR, hidden]
-        else:
-            h = g.op("Gather", g.weight("embed"), "input_ids", axis=0)
+        head = g.weight("lm_head_t")  # [hidden, V]
+        h = g.op("Gather", g.weight("embed"), "input_ids", axis=0)
         for layer in range(c.num_layers):
             h = g.op("Add", h, self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"),
                                               "rope_cos", "rope_sin", "attention_bias"))

@@ -64,10 +64,64 @@ def _through_data_movement(float_path: Path, pinned: dict[str, TensorQuant]) -> 
     return out
 
 
+# ONNX Runtime's MinMax calibration takes the exact extremes of the calibration steps. Text outside them
+# clips: on the tiny model a K projection reached 1.11x its calibrated maximum on the held-out text and came
+# out 12 % wrong. Widening every activation range costs log2(1.25) = 0.3 of 16 bits.
+ACTIVATION_HEADROOM = 1.25
+
+
+def _tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) -> list[str]:
+    """The float activations ORT's calibrator would pick: inputs/outputs of the ops to quantize."""
+    g = model.graph
+    infos = {vi.name: vi for vi in (*g.value_info, *g.output, *g.input)}
+    weights = {i.name for i in g.initializer}
+    wanted = set(op_types or ())
+    names = set()
+    for node in g.node:
+        if wanted and node.op_type not in wanted:
+            continue
+        for name in (*node.input, *node.output):
+            vi = infos.get(name)
+            if vi is not None and name not in weights and vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+                names.add(name)
+    return sorted(names)
+
+
+def _calibrated_ranges(float_path: Path, reader, config, cache: Path) -> None:
+    """MinMax calibration as ORT's MinMaxCalibrater computes it (min and max of each tensor over every step),
+    every range widened, saved as quantize_static's calibration cache. The calibrator's own graph augmentation
+    inserts two nodes per tensor with a linear search each (a third of SmolLM2's export time); listing the
+    tensors as graph outputs and reducing them in numpy gives the same ranges."""
+    import onnxruntime as ort
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, save_tensors_data
+    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
+
+    names = _tensors_to_calibrate(load_model_with_shape_infer(float_path), config.op_types_to_quantize)
+    augmented = onnx.load(str(float_path), load_external_data=False)
+    present = {o.name for o in augmented.graph.output}
+    augmented.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in present)
+    aug_path = float_path.with_name(f"{float_path.stem}.calibration.onnx")  # next to it: weights.bin resolves
+    onnx.save_model(augmented, aug_path)
+    try:
+        session = ort.InferenceSession(str(aug_path), providers=["CPUExecutionProvider"])
+        lo = {n: np.inf for n in names}
+        hi = {n: -np.inf for n in names}
+        while (feeds := reader.get_next()) is not None:
+            for n, value in zip(names, session.run(names, feeds)):
+                lo[n], hi[n] = min(lo[n], float(value.min())), max(hi[n], float(value.max()))
+    finally:
+        aug_path.unlink(missing_ok=True)
+    if not all(np.isfinite(lo[n]) for n in names):
+        raise ValueError("calibration read no steps")
+    widened = {n: (np.array(min(lo[n], 0.0) * ACTIVATION_HEADROOM + max(lo[n], 0.0), np.float32),
+                   np.array(max(hi[n], 0.0) * ACTIVATION_HEADROOM + min(hi[n], 0.0), np.float32)) for n in names}
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, widened), cache)
+
+
 def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pinned: dict[str, TensorQuant],
                    weight_overrides: dict[str, list[dict]]) -> None:
     """QDQ model of float_path (calibrated on reader) at out_path, its weights in out_path's .data file."""
-    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization import QuantType, quantize_static
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     overrides = {name: _pinned(t) for name, t in _through_data_movement(float_path, pinned).items()}
@@ -76,8 +130,17 @@ def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pi
         str(float_path), reader, activation_type=QuantType.QUInt16,
         weight_type=QuantType.QUInt8 if quant is Quant.W8A16 else QuantType.QInt4,
         per_channel=False, init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])
-    config.use_external_data_format = True  # weights go to one side file, moved into the family's file later
-    quantize(str(float_path), str(out_path), config)
+    cache = out_path.with_suffix(".calibration.json")
+    _calibrated_ranges(float_path, reader, config, cache)
+    # quantize() with this config, but reading the widened ranges instead of calibrating again. Weights go
+    # to one side file (use_external_data_format), moved into the family's file later.
+    quantize_static(str(float_path), str(out_path), None, calibrate_method=config.calibrate_method,
+                    quant_format=config.quant_format, activation_type=config.activation_type,
+                    weight_type=config.weight_type, op_types_to_quantize=config.op_types_to_quantize,
+                    nodes_to_quantize=config.nodes_to_quantize, nodes_to_exclude=config.nodes_to_exclude,
+                    per_channel=config.per_channel, reduce_range=config.reduce_range,
+                    use_external_data_format=True, calibration_providers=config.calibration_providers,
+                    extra_options=config.extra_options, calibration_cache_path=str(cache))
 
 
 def _consumers(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto]:

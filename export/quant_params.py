@@ -35,7 +35,7 @@ class QuantParamsError(ValueError):
 class QuantOptions:
     quant: Quant = Quant.W8A16
     kv_bits: KVBits = KVBits.B16
-    calib_steps: int = 48  # recorded decoding steps (prefill chunks + decode tokens) used for calibration
+    calib_steps: int = 96  # recorded decoding steps (prefill chunks + decode tokens) used for calibration
     mask_value: float = -100.0  # the masked level the quantized mask input represents (see quantized_mask)
 
     def __post_init__(self) -> None:

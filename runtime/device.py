@@ -1,13 +1,16 @@
 """Execution devices and the ONNX Runtime sessions that run on them."""
 from __future__ import annotations
 
-import hashlib
+import json
 import os
+import shutil
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 import onnxruntime as ort
+
+from . import qnn_context
 
 QNN_EP = "QNNExecutionProvider"
 # SM8650 (Snapdragon 8 Gen 3); the x86_64 HTP emulator needs an explicit SoC to finalize graphs.
@@ -86,15 +89,98 @@ def resolve_device(device: Device) -> Device:
     return device
 
 
+def _qnn_version() -> str:
+    return getattr(_qnn_module(), "__version__", "")
+
+
 def qnn_cache_key(model_path: Path, soc_model: str) -> str:
-    """Changes whenever the graph, the SoC or the QNN SDK changes, so a stale context recompiles."""
-    qnn = _qnn_module()
-    h = hashlib.sha256()
-    h.update(Path(model_path).read_bytes())
-    h.update(soc_model.encode())
-    h.update(getattr(qnn, "__version__", "").encode())
-    h.update(ort.__version__.encode())
-    return h.hexdigest()[:16]
+    """The per-graph context key (qnn_context.cache_key)."""
+    return qnn_context.cache_key([Path(model_path)], soc_model, _qnn_version())
+
+
+def _family_graph_files(model_dir: Path) -> tuple[Path, ...]:
+    try:
+        graphs = json.loads((model_dir / "manifest.json").read_text())["graphs"]
+        return tuple(sorted({model_dir / g["file"] for g in graphs}))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+
+
+def _htp_session_options(options: DeviceOptions) -> ort.SessionOptions:
+    devices = qnn_ep_devices()
+    if not devices:
+        raise DeviceError("onnxruntime-qnn is installed but reports no QNN device on this machine; use --device cpu")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_provider_for_devices(devices, {"backend_path": _qnn_module().get_qnn_htp_path(),
+                                          "soc_model": options.soc_model})
+    # A graph that would silently run partly on the CPU must fail loudly instead.
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    return so
+
+
+def compile_shared_context(model_dir: Path, *, options: DeviceOptions) -> Path:
+    """Every graph of the family at model_dir into one QNN context binary whose graphs share their weights
+    (one session group: ep.share_ep_contexts, the last with ep.stop_share_ep_contexts). Returns its directory
+    under .qnn_cache; a device loads it instead of compiling (see qnn_context.py)."""
+    model_dir = Path(model_dir)
+    files = _family_graph_files(model_dir)
+    if not files:
+        raise DeviceError(f"{model_dir} has no readable manifest with graphs")
+    key = qnn_context.cache_key(list(files), options.soc_model, _qnn_version())
+    out = qnn_context.shared_context_dir(model_dir / ".qnn_cache", key)
+    if qnn_context.is_complete(out, list(files)):
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for i, f in enumerate(files):  # one group: sessions must be created in order, the last one closes it
+        so = _htp_session_options(options)
+        ctx = qnn_context.shared_context_model(tmp, f)
+        for k, v in qnn_context.compile_entries(f, ctx, group=True, last=i == len(files) - 1).items():
+            so.add_session_config_entry(k, v)
+        try:
+            ort.InferenceSession(str(f), sess_options=so)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DeviceError(f"the HTP backend could not compile {f.name}: {str(e).splitlines()[0][:300]}") from None
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _shared_context_for(path: Path, cache_dir: Path, options: DeviceOptions) -> Path | None:
+    """The graph's model in the family's compiled shared context, where one exists and can be loaded here."""
+    if qnn_context.EMULATOR or not cache_dir.is_dir():
+        return None
+    files = _family_graph_files(path.parent)
+    if path not in files:
+        return None
+    shared = qnn_context.shared_context_dir(cache_dir, qnn_context.cache_key(list(files), options.soc_model,
+                                                                               _qnn_version()))
+    return qnn_context.shared_context_model(shared, path) if qnn_context.is_complete(shared, list(files)) else None
+
+
+def _create_htp_session(path: Path, *, options: DeviceOptions, cache_dir: Path | None) -> ort.InferenceSession:
+    so = _htp_session_options(options)
+    load = path
+    if cache_dir is not None:
+        shared = _shared_context_for(path, cache_dir, options)
+        if shared is not None:
+            load = shared  # this session takes its graph from the one binary the family shares
+            so.add_session_config_entry("ep.share_ep_contexts", "1")
+        else:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            ctx = qnn_context.per_graph_context(cache_dir, path, qnn_cache_key(path, options.soc_model))
+            if ctx.is_file():
+                load = ctx  # compiled once: loading skips graph finalization
+            else:
+                for k, v in qnn_context.compile_entries(path, ctx).items():
+                    so.add_session_config_entry(k, v)
+    try:
+        return ort.InferenceSession(str(load), sess_options=so)
+    except Exception as e:
+        raise DeviceError(f"the HTP backend could not run {path.name}: {str(e).splitlines()[0][:300]}") from None
 
 
 def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
@@ -104,6 +190,9 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     prepack lets ORT keep its own repacked copy of each weight for this session: multi-row graphs (batched,
     verify, prefill) run much faster with it (M=4 matmuls: 2.5x), at the cost of that copy's memory.
     """
+    path = Path(model_path)
+    if device is Device.HTP:
+        return _create_htp_session(path, options=options, cache_dir=cache_dir)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = options.num_threads or physical_cores()
@@ -113,29 +202,6 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     # costs nothing measurable on decode here.
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
-    path = Path(model_path)
-    if device is Device.HTP:
-        devices = qnn_ep_devices()
-        if not devices:
-            raise DeviceError("onnxruntime-qnn is installed but reports no QNN device on this machine; use --device cpu")
-        so.add_provider_for_devices(devices, {"backend_path": _qnn_module().get_qnn_htp_path(),
-                                              "soc_model": options.soc_model})
-        # A graph that would silently run partly on the CPU must fail loudly instead.
-        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        if cache_dir is not None:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            ctx = cache_dir / f"{path.stem}.{qnn_cache_key(path, options.soc_model)}_ctx.onnx"
-            if ctx.is_file():
-                path = ctx  # compiled once: loading skips graph finalization
-            else:
-                so.add_session_config_entry("ep.context_enable", "1")
-                so.add_session_config_entry("ep.context_file_path", str(ctx))
-                so.add_session_config_entry("ep.context_embed_mode", "0")
-        try:
-            return ort.InferenceSession(str(path), sess_options=so)
-        except Exception as e:
-            raise DeviceError(f"the HTP backend could not run {Path(model_path).name}: "
-                              f"{str(e).splitlines()[0][:300]}") from None
     if shared_weights is not None:
         shared_weights.attach(path, so)
     if shared_weights is not None and not prepack:

@@ -1,0 +1,275 @@
+"""The quantized HTP family (`export --target htp`): integer KV boundary read from the ONNX files themselves,
+CPU-EP emulation against the float family, the HTP emulator against the CPU EP, SmolLM2 accuracy, bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from conftest import TINY_CONTEXTS, TINY_PREFILL
+from staticlm.export.family import ExportOptions, export_family
+from staticlm.export.quant_params import KVBits, Quant, QuantOptions
+from staticlm.runtime.device import Device, DeviceOptions
+from staticlm.runtime.engine import Engine, EngineOptions
+from test_cli_errors import assert_one_line_error, staticlm
+
+CPU = DeviceOptions(device=Device.CPU, num_threads=2)
+HTP = DeviceOptions(device=Device.HTP)
+TEXT = b"Every winter the harbour town grows quiet; the ferries run less."  # 56 bytes: fits context 64
+
+
+def _export(hf_dir: Path, out: Path, **quant) -> Path:
+    from staticlm.export.qdq_family import export_quantized_family
+    from staticlm.export.sources import load_model
+
+    options = ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,))
+    export_quantized_family(load_model(hf_dir), out, options=options, quant=QuantOptions(calib_steps=24, **quant))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_q16(tiny_hf_dir, tmp_path_factory) -> Path:
+    return _export(tiny_hf_dir, tmp_path_factory.mktemp("tiny_q16") / "family")
+
+
+@pytest.fixture(scope="session")
+def tiny_q8(tiny_hf_dir, tmp_path_factory) -> Path:
+    return _export(tiny_hf_dir, tmp_path_factory.mktemp("tiny_q8") / "family", kv_bits=KVBits.B8)
+
+
+@pytest.fixture(scope="session")
+def tiny_kv_only(tiny_hf_dir, tmp_path_factory) -> Path:
+    return _export(tiny_hf_dir, tmp_path_factory.mktemp("tiny_kv") / "family", quant=Quant.KV_ONLY)
+
+
+# -- what the ONNX files say, independent of our manifest -----------------------------------------------
+def file_boundary(path: Path) -> dict[str, tuple[float, int, str]]:
+    """Graph I/O name -> (scale, zero point, integer type) of the DQ reading each integer input and the Q
+    writing each integer output, read from the graph's own initializers. Asserts the boundary itself carries
+    no Q (on inputs) and no DQ (on outputs): the integers cross it as they are."""
+    g = onnx.load(str(path), load_external_data=False).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in g.initializer if not i.external_data}
+    producer = {o: n for n in g.node for o in n.output}
+    consumers = defaultdict(list)
+    for n in g.node:
+        for i in n.input:
+            consumers[i].append(n)
+
+    def params(node: onnx.NodeProto) -> tuple[float, int, str]:
+        scale, zp = inits[node.input[1]], inits[node.input[2]]
+        assert scale.size == 1 and zp.size == 1, f"{node.name}: per-tensor parameters expected"
+        return float(scale), int(zp), str(zp.dtype)
+
+    out = {}
+    for vi in g.input:
+        dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+        if vi.name == "input_ids" or np.dtype(dtype).kind == "f":  # token ids; float inputs of the KV-only variant
+            continue
+        readers = consumers[vi.name]
+        assert readers and all(n.op_type == "DequantizeLinear" for n in readers), \
+            f"{path.name}: input {vi.name} ({dtype}) is read by {[n.op_type for n in readers]}"
+        found = {params(n) for n in readers}
+        assert len(found) == 1, f"{vi.name}: its readers disagree on parameters {found}"
+        out[vi.name] = found.pop()
+        assert np.dtype(dtype) == np.dtype(out[vi.name][2])
+    for vo in g.output:
+        if helper.tensor_dtype_to_np_dtype(vo.type.tensor_type.elem_type).kind == "f":
+            continue
+        writer = producer[vo.name]
+        assert writer.op_type == "QuantizeLinear", f"{path.name}: output {vo.name} is written by {writer.op_type}"
+        out[vo.name] = params(writer)
+        assert helper.tensor_dtype_to_np_dtype(vo.type.tensor_type.elem_type) == np.dtype(out[vo.name][2])
+    return out
+
+
+@pytest.mark.parametrize("family, kv_dtype", [("tiny_q16", "uint16"), ("tiny_q8", "uint8"), ("tiny_kv_only", "uint16")])
+def test_kv_boundary_is_integer_and_pairs_share_parameters(family, kv_dtype, request):
+    directory = request.getfixturevalue(family)
+    graphs = sorted(directory.glob("*.onnx"))
+    assert len(graphs) == 2 * 3  # decode, prefill and verify at each of the two contexts
+    family_params: dict[str, tuple] = {}
+    for path in graphs:
+        b = file_boundary(path)
+        past = {n: p for n, p in b.items() if n.startswith("past_")}
+        assert len(past) == 2 * 2 * 2  # layers x KV heads x (K, V)
+        for name, p in past.items():
+            new = name.replace("past_", "new_", 1)
+            assert p[2] == kv_dtype
+            assert b[new] == p, f"{path.name}: {name} {p} and {new} {b[new]} differ"
+            # One KV buffer serves every graph: its parameters are the family's, not the graph's.
+            assert family_params.setdefault(name, p) == p, f"{path.name}: {name} differs from other graphs"
+        if family != "tiny_kv_only":  # rope, mask and logits cross the boundary as 16-bit integers too
+            for name in ("rope_cos", "rope_sin", "attention_bias", "logits"):
+                assert b[name][2] == "uint16", (path.name, name, b[name])
+    scales = {p[0] for p in family_params.values()}
+    assert len(scales) > 1  # calibrated per tensor, not one default for all
+
+
+def test_manifest_agrees_with_the_files(tiny_q16):
+    from staticlm.export.contract import kv_tensor_index
+    from staticlm.export.manifest import load_manifest
+
+    m = load_manifest(tiny_q16)
+    b = file_boundary(tiny_q16 / m.graphs[0].file)
+    for spec in m.graphs[0].inputs:
+        if spec.name.startswith("past_"):
+            t = m.quant.kv[kv_tensor_index(layer=spec.layer, kv_head=spec.kv_head, is_value="value" in spec.name,
+                                           num_kv_heads=m.model.num_kv_heads)]
+            assert (np.float32(t.scale), t.zero_point, t.dtype) == (np.float32(b[spec.name][0]), *b[spec.name][1:])
+
+
+# -- numerics ---------------------------------------------------------------------------------------------
+def scored(family: Path, device: DeviceOptions = CPU) -> tuple[Engine, np.ndarray]:
+    engine = Engine(family, options=EngineOptions(device=device))
+    return engine, engine.score(np.frombuffer(TEXT, np.uint8).astype(np.int64))
+
+
+def dequantized_kv(engine: Engine) -> np.ndarray:
+    q = engine.kv.valid_block(0)
+    return np.stack([t.dequantize(q[i]) for i, t in enumerate(engine.quant.kv)])
+
+
+def test_kv_only_rounds_each_row_once(tiny_kv_only, tiny_family):
+    """Float weights and activations: the stored K/V of the first layer (whose input is exact) must be the
+    float family's to within half a quantization step, every row, after a whole teacher-forced text."""
+    (q, lq), (f, lf) = scored(tiny_kv_only), scored(tiny_family)
+    err = np.abs(dequantized_kv(q) - f.kv.valid_block(0))
+    scales = np.array([t.scale for t in q.quant.kv])
+    layer0 = 2 * q.config.num_kv_heads
+    assert (err[:layer0].max(axis=(1, 2)) <= 0.5 * scales[:layer0] * 1.001).all()
+    # Later layers see rounded K/V: a few steps, not a clipped range.
+    assert (err.max(axis=(1, 2)) <= 64 * scales).all()
+    assert (lq.argmax(1) == lf.argmax(1)).all()
+
+
+def test_cpu_emulation_matches_float(tiny_q16, tiny_family):
+    """w8a16 on the CPU EP (the HTP numerics): 8-bit weights bound the error near one 8-bit step of each
+    tensor's range, i.e. 256 steps of its 16-bit scale; allow 4 such steps."""
+    (q, lq), (f, lf) = scored(tiny_q16), scored(tiny_family)
+    logits_scale = q.quant.logits.scale
+    assert np.abs(lq - lf).max() <= 4 * 256 * logits_scale
+    kv_err = np.abs(dequantized_kv(q) - f.kv.valid_block(0)).max(axis=(1, 2))
+    scales = np.array([t.scale for t in q.quant.kv])
+    assert (kv_err <= 4 * 256 * scales).all(), kv_err / scales
+    assert (lq.argmax(1) == lf.argmax(1)).mean() >= 0.95
+
+
+def _htp_available() -> str | None:
+    """None where onnxruntime-qnn imports; otherwise the reason to skip (anything else must fail, not skip)."""
+    import importlib
+
+    try:
+        importlib.import_module("onnxruntime_qnn")
+    except ImportError as e:
+        return f"onnxruntime-qnn is not importable on this platform: {e}"
+    return None
+
+
+@pytest.mark.htp
+@pytest.mark.parametrize("family", ["tiny_q16", "tiny_q8"])
+def test_htp_emulator_matches_cpu_ep(family, request, tmp_path):
+    """Every node on HTP (CPU fallback disabled: session creation fails otherwise), through the real Engine
+    and kv_manager: a prompt chunk, then decode steps; logits within a few 16-bit steps, KV integers within
+    a few steps of their own type."""
+    reason = _htp_available()
+    if reason:
+        pytest.skip(reason)
+    directory = tmp_path / "family"
+    shutil.copytree(request.getfixturevalue(family), directory)  # the compiled contexts go into its cache
+    ids = np.frombuffer(TEXT, np.uint8).astype(np.int64)
+    cpu, htp = (Engine(directory, options=EngineOptions(device=d)) for d in (CPU, HTP))
+    worst_logits = 0.0
+    for engine in (cpu, htp):
+        engine.prefill(ids[:TINY_PREFILL + 3])  # one full chunk and a partial one
+    for token in ids[TINY_PREFILL + 3:TINY_PREFILL + 15]:  # teacher-forced, so both follow one path
+        a, b = cpu.decode(int(token)), htp.decode(int(token))
+        worst_logits = max(worst_logits, float(np.abs(a - b).max()))
+    scale = cpu.quant.logits.scale
+    assert worst_logits <= 64 * scale, worst_logits / scale
+    kv_cpu, kv_htp = (e.kv.valid_block(0).astype(np.int64) for e in (cpu, htp))
+    assert kv_cpu.shape == kv_htp.shape and kv_cpu.shape[1] == TINY_PREFILL + 15
+    steps = np.abs(kv_cpu - kv_htp)
+    if cpu.kv.spec.dtype == "uint16":
+        assert steps.max() <= 256, steps.max()  # 1/256 of each tensor's range
+    else:
+        # Measured on the emulator: K and every prefill row within 1-3 steps, but the V rows of decode
+        # steps (an 8-bit output written straight by a 16-bit x 8-bit MatMul) up to 18 steps of 255. The
+        # bound keeps the rest tight and holds V to 10 % of its range; the deviation is in the issue note.
+        k_rows = steps[0::2]
+        assert k_rows.max() <= 3, k_rows.max()
+        assert steps[:, :TINY_PREFILL + 3].max() <= 3, steps[:, :TINY_PREFILL + 3].max()
+        assert steps.max() <= 26, steps.max()
+    assert list((directory / ".qnn_cache").glob("*_ctx.onnx"))  # compiled once, reused by later loads
+
+
+@pytest.mark.htp
+def test_shared_context_compiles_one_binary_for_the_family(tiny_q16, tmp_path):
+    reason = _htp_available()
+    if reason:
+        pytest.skip(reason)
+    from staticlm.runtime.device import compile_shared_context
+
+    directory = tmp_path / "family"
+    shutil.copytree(tiny_q16, directory)
+    out = compile_shared_context(directory, options=HTP)
+    graphs = sorted(p.stem for p in directory.glob("*.onnx"))
+    assert sorted(p.name[:-len("_ctx.onnx")] for p in out.glob("*_ctx.onnx")) == graphs
+    assert len(list(out.glob("*.bin"))) == 1  # N graphs, one context binary: N + 1 files
+
+
+# -- SmolLM2 on the CPU EP ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_w8a16_agreement(smollm2_loaded, tmp_path):
+    """A shortened `staticlm eval`: the smallest family that holds a 300-token window, teacher-forced."""
+    from staticlm.apps.common import open_tokenizer
+    from staticlm.apps.eval_metrics import compare, held_out_text
+    from staticlm.export.qdq_family import export_quantized_family
+
+    from staticlm.export.calibration import calibration_prompts
+
+    options = ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(), batch_sizes=())
+    export_family(smollm2_loaded, tmp_path / "float", options=options)
+    export_quantized_family(smollm2_loaded, tmp_path / "q", options=options, quant=QuantOptions(calib_steps=32),
+                            prompts=calibration_prompts()[:8])  # fewer traces: the export counts toward CI time
+    ids = open_tokenizer(tmp_path / "float").encode(held_out_text(), add_special_tokens=False)
+    ref, model = (Engine(tmp_path / d, options=EngineOptions(device=CPU)) for d in ("float", "q"))
+    result = compare(model, ref, ids, max_tokens=300)
+    assert result.num_tokens == 300
+    assert result.ppl_change <= 0.05, result
+    # A regression floor, not the issue's 97 % target: the full eval measured 88.9 % (issue 5 stays open on it).
+    assert result.agreement >= 0.85, result
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, fragment", [
+    (["--target", "htp", "--quant", "w3a16"], "--quant"),
+    (["--target", "htp", "--kv-bits", "4"], "--kv-bits"),
+    (["--quant", "w8a16"], "--target htp"),
+    (["--kv-bits", "8"], "--target htp"),
+])
+def test_bad_quant_options(args, fragment, tiny_hf_dir, tmp_path):
+    proc = staticlm("export", "--model", tiny_hf_dir, "--out", tmp_path / "out", *args)
+    assert_one_line_error(proc, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda q: q.update(kv=q["kv"][:-1]),  # one KV tensor without parameters
+    lambda q: q["kv"][0].update(scale=-1.0),
+    lambda q: q["logits"].update(zero_point=70000),
+    lambda q: q.pop("quant"),
+])
+def test_corrupted_quantization_block(corrupt, tiny_q16, tmp_path):
+    directory = tmp_path / "family"
+    shutil.copytree(tiny_q16, directory)
+    data = json.loads((directory / "manifest.json").read_text())
+    corrupt(data["quantization"])
+    (directory / "manifest.json").write_text(json.dumps(data))
+    proc = staticlm("generate", "--model", directory, "--prompt", "hi", "--device", "cpu")
+    assert_one_line_error(proc, "quantization")
