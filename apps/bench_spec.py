@@ -1,0 +1,133 @@
+"""Issue 8's figures: speculative decoding (none, prompt lookup with BASS's dynamic or a fixed draft length)
+on an input-grounded rewrite and on open chat; and n = 4 responses decoded together vs one after another.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from staticlm.runtime.chat_template import Message
+from staticlm.runtime.engine import StepCounters
+from staticlm.runtime.generator import GenerationParams, Generator
+from staticlm.runtime.sampling import SamplingParams
+from staticlm.runtime.speculate_options import SpeculateMode, SpeculateOptions, build_speculator
+
+from .bench_types import BenchContext, Row
+
+FIXED_DRAFT = 7  # BASS's l0: the fixed length the dynamic one starts from
+CHAT_PROMPT = "Give me some advice on learning to cook at home."
+BATCH_PROMPT = "Write a short poem about the sea."
+NUM_RESPONSES = 4
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    name: str
+    options: SpeculateOptions
+
+
+CONFIGS = (SpecConfig("none", SpeculateOptions()),
+           SpecConfig("lookup", SpeculateOptions(SpeculateMode.LOOKUP)),
+           SpecConfig(f"lookup, fixed {FIXED_DRAFT}", SpeculateOptions(SpeculateMode.LOOKUP, fixed_length=FIXED_DRAFT)))
+
+
+def _chat_ids(engine, text: str) -> tuple[list[int], object]:
+    from .common import open_chat
+
+    session = open_chat(engine)
+    return session.prompt_ids([Message(role="user", content=text)]), session.generator.tokenizer
+
+
+def _rewrite_prompt(ctx: BenchContext, tokenizer, budget: int) -> str:
+    passage = tokenizer.decode(ctx.text_ids[:budget])
+    return f"Rewrite the following text exactly as it is.\n\n{passage}"
+
+
+def _run(ctx: BenchContext, engine, tokenizer, ids: list[int], config: SpecConfig, max_new: int) -> dict:
+    engine.reset()
+    engine.counters = StepCounters()  # per configuration: speculation's cost estimate starts afresh too
+    gen = Generator(engine, tokenizer)
+    gen.speculator = build_speculator(config.options, engine=engine, tokenizer=tokenizer)
+    result = gen.generate(ids, GenerationParams(max_new_tokens=max_new))
+    c, stats = engine.counters, gen.speculator.stats if gen.speculator else None
+    return {"tok_s": result.decode_tok_s, "tokens": len(result.token_ids), "text": result.text[:200],
+            "acceptance": stats.acceptance_rate if stats else 0.0,
+            "accepted_per_step": stats.num_accepted / stats.num_steps if stats and stats.num_steps else 0.0,
+            "verify_row_use": c.num_verify_tokens / c.num_verify_rows if c.num_verify_rows else 0.0}
+
+
+def bench_speculative(ctx: BenchContext) -> list[Row]:
+    engine = ctx.engine()
+    if not engine.verify_lens:
+        ctx.extra.setdefault("skipped_rows", {})["speculative"] = "the family has no AR=N (verify) graphs"
+        return []
+    max_new = 12 if ctx.options.quick else 128
+    chat_ids, tokenizer = _chat_ids(engine, CHAT_PROMPT)
+    budget = 200  # passage tokens; the answer repeats them, so halve until prompt and answer fit
+    rewrite_ids, _ = _chat_ids(engine, _rewrite_prompt(ctx, tokenizer, budget))
+    while len(rewrite_ids) + max_new > ctx.max_context and budget > 8:
+        budget //= 2
+        rewrite_ids, _ = _chat_ids(engine, _rewrite_prompt(ctx, tokenizer, budget))
+    if max(len(rewrite_ids), len(chat_ids)) + max_new > ctx.max_context:
+        ctx.extra.setdefault("skipped_rows", {})["speculative"] = "the prompts do not fit the model's context"
+        return []
+    rows, raw = [], {}
+    for config in CONFIGS:  # untimed: every graph and rung these runs touch is loaded and run once first
+        _run(ctx, engine, tokenizer, rewrite_ids, config, 4)
+    for task, ids in (("rewrite", rewrite_ids), ("chat", chat_ids)):
+        base = None
+        for config in CONFIGS:
+            ctx.log(f"  {task}, speculate {config.name} ...")
+            r = _run(ctx, engine, tokenizer, ids, config, max_new)
+            raw[f"{task}/{config.name}"] = r
+            base = base or r["tok_s"]
+            note = (f"{r['tok_s'] / base:.2f}x vs none; acceptance {r['acceptance']:.2f}, "
+                    f"{r['accepted_per_step']:.2f} accepted/step, verify rows used {100 * r['verify_row_use']:.0f} %"
+                    if config.options.mode is not SpeculateMode.NONE else f"{r['tokens']} tokens")
+            rows.append(Row(f"spec.{task}.{config.name.replace(', ', '_').replace(' ', '')}",
+                            f"decode tok/s, {task}, speculate {config.name}", "tok/s", r["tok_s"], note=note))
+    ctx.extra["speculative"] = raw
+    return rows
+
+
+def bench_responses(ctx: BenchContext) -> list[Row]:
+    from staticlm.export.manifest import GraphKind, load_manifest
+    from staticlm.runtime.batch import BatchGenerator
+
+    if not load_manifest(ctx.model_dir).graphs_of(GraphKind.DECODE, batch=NUM_RESPONSES):
+        ctx.extra.setdefault("skipped_rows", {})["responses"] = f"the family has no batch-{NUM_RESPONSES} graphs"
+        return []
+    engine = ctx.engine()
+    ids, tokenizer = _chat_ids(engine, BATCH_PROMPT)
+    max_new = 8 if ctx.options.quick else 64
+    if len(ids) + max_new > ctx.max_context:
+        ctx.extra.setdefault("skipped_rows", {})["responses"] = "the prompt does not fit the model's context"
+        return []
+    # Equal work for both: sampled (so the answers differ), never stopping early.
+    params = GenerationParams(max_new_tokens=max_new, ignore_eos=True,
+                              sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
+    batch = BatchGenerator(engine, tokenizer, num_responses=NUM_RESPONSES)
+    batch.batch.warm_up()
+    ctx.log(f"  {NUM_RESPONSES} responses together ...")
+    t0 = time.perf_counter()
+    responses = batch.generate(ids, params)
+    together = time.perf_counter() - t0
+    total = sum(len(r.token_ids) for r in responses)
+    ctx.log(f"  {NUM_RESPONSES} responses one after another ...")
+    gen = Generator(engine, tokenizer)
+    t0 = time.perf_counter()
+    seq_tokens, first_seq = 0, 0.0
+    for i in range(NUM_RESPONSES):
+        gen.reset()
+        seq_tokens += len(gen.generate(ids, params).token_ids)
+        first_seq = first_seq or time.perf_counter() - t0
+    sequential = time.perf_counter() - t0
+    first = min(r.last_token_s for r in responses)
+    ctx.extra["responses"] = {"together_s": together, "sequential_s": sequential, "first_response_s": first,
+                              "first_sequential_s": first_seq}
+    return [Row(f"responses{NUM_RESPONSES}.together", f"{NUM_RESPONSES} responses decoded together, total tok/s",
+                "tok/s", total / together, note=(
+                    f"{total / together / (seq_tokens / sequential):.2f}x one after another; first response "
+                    f"done {first:.2f} s (sequential: {first_seq:.2f} s)")),
+            Row(f"responses{NUM_RESPONSES}.sequential", f"{NUM_RESPONSES} responses one after another, total tok/s",
+                "tok/s", seq_tokens / sequential)]

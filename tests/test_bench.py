@@ -1,0 +1,142 @@
+"""`staticlm bench`: a quick run on the tiny model writes a complete report; bad input is one line, exit 2."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from staticlm.kv_manager.sizing import choose_bmc_r
+
+EXPECTED_ROW_PREFIXES = ("bmc.alpha_bw", "bmc.beta_c", "bmc.N", "decode@", "prefill", "ttft", "peak_rss",
+                         "kv_bytes", "strategy.concat", "strategy.shift", "strategy.bmc", "strategy.pointer",
+                         "spec.rewrite.none", "spec.rewrite.lookup", "spec.chat.lookup", "responses4.together",
+                         "responses4.sequential")
+
+
+def staticlm(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "staticlm.apps.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(proc, fragment):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny_chat_family, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "out"
+    cache = tmp_path_factory.mktemp("cache")  # the measured rates go here, not into the user's cache
+    # The tiny chat family: the tiny model with contexts (256, 512) that hold its byte-level chat prompts.
+    proc = staticlm("bench", "--model", tiny_chat_family, "--quick", "--peers", "none", "--out", out,
+                    env={"STATICLM_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, cache, proc
+
+
+def test_quick_bench_writes_json_with_positive_speeds(quick_run):
+    out, _, proc = quick_run
+    report = json.loads((out / "bench.json").read_text())
+    rows = {r["key"]: r for r in report["rows"]}
+    for prefix in EXPECTED_ROW_PREFIXES:
+        assert any(k.startswith(prefix) for k in rows), (prefix, sorted(rows))
+    for key, row in rows.items():
+        assert math.isfinite(row["ours"]) and row["ours"] > 0, (key, row)
+    # of the default contexts, those that fit the family's largest (512)
+    assert {k for k in rows if k.startswith("decode@")} == {"decode@128", "decode@512"}
+    assert report["meta"]["peers"] == [] and "failed" not in json.dumps(report["meta"].get("skipped_rows", {}))
+    latency = report["figures"]["strategy_latency"]
+    assert set(latency) == {"concat", "shift", "bmc", "pointer"}
+    # concat copies the cache every token, pointer never between compactions
+    assert latency["concat"]["copied_bytes"] > latency["pointer"]["copied_bytes"]
+
+
+def test_markdown_table_and_plots(quick_run):
+    out, _, proc = quick_run
+    md = (out / "bench.md").read_text()
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert table[0].startswith("| benchmark | unit | ours |") and set(table[1]) <= set("|-")
+    assert any("decode tok/s, context 512" in ln for ln in table)
+    assert "decode tok/s, context 512" in proc.stdout  # the rich table printed
+    for name in ("strategy_latency.png", "bmc_attention.png", "decode_vs_context.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+
+
+def test_microbench_choice_matches_the_model_on_the_measured_constants(quick_run):
+    out, cache, _ = quick_run
+    from staticlm.runtime.ladder import load_rates
+
+    report = json.loads((out / "bench.json").read_text())
+    rates = load_rates(cache / "bmc_host.json")
+    assert rates is not None and rates.copy_bandwidth > 0 and rates.attention_rate > 0 and rates.c_prime > 0
+    assert report["meta"]["host_rates"]["c_prime"] == pytest.approx(rates.c_prime)
+    for choice in report["meta"]["host_rates"]["choices"]:
+        n, r = choice["N"], choice["model_r"]
+        assert r & (r - 1) == 0 and choice["best_T"] & (choice["best_T"] - 1) == 0
+        assert r == choose_bmc_r(max_context=n, c_prime=rates.c_prime)
+        figure = report["figures"]["bmc_attention"][str(n)]
+        assert figure["T"][figure["seconds"].index(min(figure["seconds"]))] == choice["best_T"]
+
+
+def test_ratio_is_a_speed_ratio():
+    from staticlm.apps.bench_types import Row
+
+    faster = Row("decode@128", "d", "tok/s", 120.0, peers={"genai": 100.0})
+    quicker = Row("ttft", "t", "ms", 50.0, higher_is_better=False, peers={"genai": 100.0})
+    assert faster.ratio("genai") == pytest.approx(1.2) and quicker.ratio("genai") == pytest.approx(2.0)
+    assert faster.ratio("llamacpp") is None
+
+
+def test_unknown_peer(tiny_family):
+    assert_one_line_error(staticlm("bench", "--model", tiny_family, "--peers", "genai,vllm"), "unknown peer 'vllm'")
+
+
+@pytest.mark.parametrize("contexts, fragment", [("12x", "comma-separated integers"), ("0", ">= 2"),
+                                                ("4096", "larger than the model's largest context 64")])
+def test_bad_contexts(tiny_family, tmp_path, contexts, fragment):
+    proc = staticlm("bench", "--model", tiny_family, "--peers", "none", "--contexts", contexts, "--out", tmp_path / "o")
+    assert_one_line_error(proc, fragment)
+    assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_missing_model_dir(tmp_path):
+    assert_one_line_error(staticlm("bench", "--model", tmp_path / "nope", "--peers", "none"), "no exported model")
+
+
+def test_bad_threads_and_prompt_len(tiny_family):
+    assert_one_line_error(staticlm("bench", "--model", tiny_family, "--threads", "0"), "--threads must be >= 1")
+    assert_one_line_error(staticlm("bench", "--model", tiny_family, "--peers", "none", "--prompt-len", "500"),
+                          "--prompt-len must be in 1..63")
+
+
+def test_row_sets_are_pluggable_and_a_failing_one_is_reported(tiny_family, tmp_path):
+    from staticlm.apps.bench_types import BenchOptions, Row
+    from staticlm.apps.cmd_bench import run_bench
+
+    def custom(ctx):
+        return [Row("custom.tokens", "text tokens", "tokens", float(len(ctx.text_ids)))]
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    result = run_bench(BenchOptions(model_dir=tiny_family, out_dir=tmp_path / "o", quick=True),
+                       benchmarks=(("broken", broken), ("custom", custom)), show=False)
+    report = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [r["key"] for r in report["rows"]] == ["custom.tokens"] and result["rows"][0].ours >= 64
+    assert report["meta"]["skipped_rows"] == {"broken": "failed: RuntimeError: boom"}
+
+
+def test_a_peer_that_is_not_installed_is_skipped_with_a_reason(monkeypatch, tmp_path):
+    from staticlm.apps import bench_peers
+    from staticlm.apps.bench_types import Peer
+
+    monkeypatch.setitem(bench_peers.PEER_MODULES, Peer.TRANSFORMERS, ("no_such_module_for_staticlm",))
+    with pytest.raises(bench_peers.PeerUnavailable, match="not installed"):
+        bench_peers.prepare(Peer.TRANSFORMERS, gguf=tmp_path / "x.gguf", log=print)
