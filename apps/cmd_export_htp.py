@@ -19,7 +19,7 @@ def run_export_htp(*, model: str, out_dir: Path, options: ExportOptions, quant: 
     prompts = calibration_prompts()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), disable=quiet, transient=False) as progress:
-        task = progress.add_task(f"reading {model}", total=num_quant_steps(options, len(prompts)) + 1)
+        task = progress.add_task(f"reading {model}", total=num_quant_steps(options, len(prompts), quant.quant) + 1)
         loaded = load_model(model)
         if draft_layers is not None:
             from staticlm.export.draft import truncate_layers

@@ -5,6 +5,12 @@ then greedy decoding); before each step we keep what that step reads: the valid 
 and their position. A recorded step is graph-independent, so it can be re-windowed for any family
 member whose window holds it (left padding, the same mask rule the runtime uses) and fed to ONNX
 Runtime's calibrator. The boundary ranges (KV, logits) come from every row the float model wrote.
+
+The sink: a sequence's first token (no past) carries massive activations. In SmolLM2 its residual stream
+reaches 22,500 in two channels from layer 11 on, while every other token stays under ~130. One 16-bit
+range over both would give every other token a step of 0.7 (the float model's top-1 agreed only 91 %
+with such a family, with 8- or 16-bit weights alike). So the first token is recorded as a step of its own
+and calibrates a graph of its own (GraphKind.SINK); every other step calibrates the family.
 """
 from __future__ import annotations
 
@@ -28,6 +34,10 @@ class TraceStep:
     def position(self) -> int:  # calibration never slides, so the position is the number of cached rows
         return self.past.shape[1]
 
+    @property
+    def is_sink(self) -> bool:
+        return self.position == 0
+
 
 @dataclass(frozen=True)
 class Traces:
@@ -37,6 +47,14 @@ class Traces:
     logits_min: float
     logits_max: float
 
+    @property
+    def sink_steps(self) -> tuple[TraceStep, ...]:
+        return tuple(s for s in self.steps if s.is_sink)
+
+    @property
+    def family_steps(self) -> tuple[TraceStep, ...]:
+        return tuple(s for s in self.steps if not s.is_sink)
+
 
 def calibration_prompts() -> list[str]:
     """The chat prompts the repository ships for calibration (written for this project)."""
@@ -45,8 +63,9 @@ def calibration_prompts() -> list[str]:
 
 
 def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: int, max_new_tokens: int,
-                  eos_ids: tuple[int, ...] = (), on_prompt=None) -> Traces:
-    """Run the float family over the prompts; keep about max_steps steps, half prefill chunks, half decode."""
+                  eos_ids: tuple[int, ...] = (), sink_ids: tuple[int, ...] = (), on_prompt=None) -> Traces:
+    """Run the float family over the prompts; keep about max_steps steps, half prefill chunks, half decode,
+    plus every prompt's first token (and each of sink_ids) as a sink step of its own."""
     from staticlm.runtime.device import Device, DeviceOptions
     from staticlm.runtime.engine import Engine, EngineOptions
 
@@ -63,11 +82,21 @@ def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: in
     kv_min, kv_max = np.full(t, np.inf, np.float32), np.full(t, -np.inf, np.float32)
     lo, hi = np.inf, -np.inf
     steps: list[TraceStep] = []
+    sinks: list[TraceStep] = []
     chunk_no = decode_no = 0
+    for token in sink_ids:  # more first tokens than the chat template's one
+        engine.reset()
+        sinks.append(TraceStep(engine.kv.valid_block(0).copy(), np.array([token], np.int64)))
+        logits = engine.prefill(sinks[-1].token_ids)
+        lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
+        np.minimum(kv_min, engine.kv.valid_block(0).min(axis=(1, 2)), out=kv_min)
+        np.maximum(kv_max, engine.kv.valid_block(0).max(axis=(1, 2)), out=kv_max)
     for ids in prompt_ids:
         engine.reset()
-        logits = None
-        for start in range(0, len(ids), chunk):
+        sinks.append(TraceStep(engine.kv.valid_block(0).copy(), np.asarray(ids[:1], np.int64)))
+        logits = engine.prefill(sinks[-1].token_ids)  # the runtime runs the first token alone too
+        lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
+        for start in range(1, len(ids), chunk):
             part = np.asarray(ids[start:start + chunk], np.int64)
             if chunk_no % chunk_stride == 0:
                 steps.append(TraceStep(engine.kv.valid_block(0).copy(), part))
@@ -88,8 +117,8 @@ def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: in
         np.maximum(kv_max, block.max(axis=(1, 2)), out=kv_max)
         if on_prompt is not None:
             on_prompt()
-    return Traces(steps=tuple(steps[:max_steps] if len(steps) > max_steps else steps), kv_min=kv_min,
-                  kv_max=kv_max, logits_min=lo, logits_max=hi)
+    return Traces(steps=tuple(steps[:max_steps]) + tuple(sinks), kv_min=kv_min, kv_max=kv_max,
+                  logits_min=lo, logits_max=hi)
 
 
 class StepFeeds:
@@ -117,6 +146,7 @@ class StepFeeds:
         ids = np.zeros((1, s.ar), np.int64)
         k = min(step.token_ids.size, s.ar)
         ids[0, :k] = step.token_ids[:k]
+        ids[0, k:] = step.token_ids[k - 1]  # padding rows as the runtime pads (see Engine._run)
         cos = np.zeros((1, 1, s.ar, step.past.shape[2]), np.float32)
         sin = np.zeros_like(cos)
         self._rope.fill((n + np.arange(s.ar))[None], cos_out=cos, sin_out=sin)

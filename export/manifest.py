@@ -23,6 +23,8 @@ class ManifestError(ValueError):
 class GraphKind(str, Enum):
     DECODE = "decode"  # AR = 1, P = S - 1
     PREFILL = "prefill"  # AR = N, P = S - N; also the verifier for speculative decoding
+    # AR = 1, only for the first token of a sequence (quantized families): see calibration.py, "sink"
+    SINK = "sink"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Pipeline: export the float family to a scratch directory, record real decoding t
 family-wide boundary parameters from those traces, quantize ONE template graph with ONNX Runtime's QNN
 tooling (boundary tensors pinned, calibrated on every recorded step), strip its boundary Q/DQ, move its
 quantized weights into the family's one weight file, and specialize it to every shape (qdq_template.py).
+A second pass, calibrated only on first tokens, gives the sink graph (see calibration.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .calibration import StepFeeds, Traces, calibration_prompts, record_traces, 
 from .contract import IODtypes, graph_io
 from .family import TOKENIZER_FILE, WEIGHTS_FILE, ExportError, ExportOptions, _replace_dir, export_family
 from .kv_only import add_kv_boundary
-from .manifest import GraphEntry, Manifest, file_sha256, load_manifest
+from .manifest import GraphEntry, GraphKind, Manifest, file_sha256, load_manifest
 from .qdq import boundary_params, quantize_graph, strip_boundary
 from .qdq_template import specialize, template_entry
 from .quant_params import FamilyQuant, Quant, QuantOptions, TensorQuant
@@ -119,7 +120,8 @@ class _SharedInitializers:
             model.graph.initializer[i].CopyFrom(proto)
 
 
-def _prompt_ids(float_dir: Path, prompts: list[str]) -> tuple[list[list[int]], tuple[int, ...]]:
+def _prompt_ids(float_dir: Path, prompts: list[str]) -> tuple[list[list[int]], tuple[int, ...], tuple[int, ...]]:
+    """Chat-template prompt ids, the EOS ids, and the first token of each bare prompt (varied sink steps)."""
     from staticlm.runtime.chat import ChatSession, TemplateInfo
     from staticlm.runtime.chat_template import Message
     from staticlm.runtime.tokenizer import Tokenizer
@@ -133,7 +135,9 @@ def _prompt_ids(float_dir: Path, prompts: list[str]) -> tuple[list[list[int]], t
         tokenizer = tok
 
     chat = ChatSession(_Gen(), TemplateInfo(m.chat_template, st.bos_token, st.eos_token))
-    return [chat.prompt_ids([Message(role="user", content=p)]) for p in prompts], tuple(st.eos_token_ids)
+    bare = sorted({tok.encode(p, add_special_tokens=False)[0] for p in prompts if p})
+    return ([chat.prompt_ids([Message(role="user", content=p)]) for p in prompts], tuple(st.eos_token_ids),
+            tuple(bare))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,21 +146,33 @@ class _Template:
     float_proto: onnx.ModelProto  # the float graph it was made from (no weights loaded)
 
 
-def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, traces: Traces, fq: FamilyQuant,
+def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq: FamilyQuant,
                         quant: QuantOptions, config, shared: _SharedInitializers) -> _Template:
-    """The one quantizer pass of the family (see qdq_template.py), calibrated on every recorded step."""
+    """A quantizer pass over the template graph (see qdq_template.py), calibrated on the recorded steps."""
     entry = template_entry(fm.graphs)
     pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
     feeds = StepFeeds(entry.inputs, entry.shape, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                       rope_theta=config.rope_theta, max_positions=config.max_positions, mask_value=fq.mask_value)
     qpath = work / "q" / entry.file
     qpath.parent.mkdir()
-    quantize_graph(float_dir / entry.file, qpath, reader=trace_reader(feeds, traces.steps), quant=quant.quant,
+    quantize_graph(float_dir / entry.file, qpath, reader=trace_reader(feeds, steps), quant=quant.quant,
                    pinned=pinned, weight_overrides=weight_overrides(quant.quant, config))
     proto = strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned)
     shared.absorb(proto)
     shutil.rmtree(qpath.parent)
     return _Template(proto=proto, float_proto=onnx.load(str(float_dir / entry.file), load_external_data=False))
+
+
+def _sink_graph(sink: _Template, fm: Manifest, float_dir: Path, final: Path, *, dtypes: IODtypes,
+                config) -> GraphEntry:
+    """The sink pass at the smallest decode graph's shape: the first token of a sequence runs there alone."""
+    decode = fm.graphs_of(GraphKind.DECODE)[0]
+    proto = specialize(sink.proto, sink.float_proto, onnx.load(str(float_dir / decode.file), load_external_data=False))
+    file = f"sink_{decode.file}"
+    onnx.save_model(proto, final / file)
+    inputs, outputs = graph_io(config, decode.shape, dtypes=dtypes)
+    return GraphEntry(name=f"sink_{decode.name}", file=file, kind=GraphKind.SINK, shape=decode.shape,
+                      inputs=inputs, outputs=outputs, sha256=file_sha256(final / file))
 
 
 def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
@@ -172,9 +188,9 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
         float_dir = work / "float"
         fm = export_family(model, float_dir, options=options)
         step("float family")
-        ids, eos = _prompt_ids(float_dir, prompts or calibration_prompts())
+        ids, eos, first_tokens = _prompt_ids(float_dir, prompts or calibration_prompts())
         traces = record_traces(float_dir, ids, max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS,
-                               eos_ids=eos, on_prompt=lambda: step("calibration trace"))
+                               eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"))
         fq = family_quant(traces, quant)
         final = work / "family"
         final.mkdir()
@@ -184,8 +200,9 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
         else:
             writer = WeightFileWriter(final / WEIGHTS_FILE)
             shared = _SharedInitializers(writer)
-            template = _quantized_template(float_dir, fm, work=work, traces=traces, fq=fq, quant=quant,
-                                           config=config, shared=shared)
+            template, sink = (_quantized_template(float_dir, fm, work=work, steps=steps, fq=fq, quant=quant,
+                                                  config=config, shared=shared)
+                              for steps in (traces.family_steps, traces.sink_steps))
             step("quantized template")
         entries = []
         for entry in fm.graphs:
@@ -201,6 +218,8 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
                                       inputs=inputs, outputs=outputs, sha256=file_sha256(final / entry.file)))
             step(entry.name)
         if quant.quant is not Quant.KV_ONLY:
+            entries.append(_sink_graph(sink, fm, float_dir, final, dtypes=io_dtypes(fq), config=config))
+            step("sink graph")
             weights_bytes, weights_sha = writer.close()
         shutil.copyfile(float_dir / TOKENIZER_FILE, final / TOKENIZER_FILE)
         manifest = Manifest(
@@ -216,6 +235,8 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
     return manifest
 
 
-def num_quant_steps(options: ExportOptions, num_prompts: int) -> int:
-    # float family, one per prompt trace, the template, each graph (the HTP family has no batched graphs), manifest
-    return 1 + num_prompts + 1 + len(dataclasses.replace(options, batch_sizes=()).shapes()) + 1
+def num_quant_steps(options: ExportOptions, num_prompts: int, quant: Quant) -> int:
+    # float family, one per prompt trace, the template, each graph (the HTP family has no batched graphs), the
+    # sink graph (not for KV only), manifest
+    num_graphs = len(dataclasses.replace(options, batch_sizes=()).shapes()) + (quant is not Quant.KV_ONLY)
+    return 1 + num_prompts + 1 + num_graphs + 1

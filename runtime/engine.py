@@ -70,6 +70,8 @@ class Engine:
         # Every AR=N graph can verify drafts; by AR, each a ladder sorted by past length.
         self.verify_lens = tuple(sorted({g.shape.ar for g in multi}))
         self._verify = {ar: tuple(g for g in multi if g.shape.ar == ar) for ar in self.verify_lens}
+        # A quantized family's first token runs alone in a graph with its own activation ranges
+        self._sink = self.manifest.graphs_of(GraphKind.SINK, batch=batch)[:1]
         self.kv = make_kv_cache(
             KVSpec(num_tensors=num_kv_tensors(cfg), head_dim=cfg.head_dim, dtype=self.manifest.kv_dtype,
                    max_past=self._decode[-1].shape.past_len, max_ar=max(self.prefill_len, 1),
@@ -154,7 +156,9 @@ class Engine:
         self.kv.prepare(past_len=shape.past_len, ar=shape.ar)
         run = self.runner(entry)
         run.input_ids[:, :num_real] = tokens
-        run.input_ids[:, num_real:] = 0
+        # Padding rows repeat the last real token. Never id 0: SmolLM2's <|endoftext|> carries massive
+        # activations (residual 15,000 vs ~130) wherever it is, and calibration must see what runs.
+        run.input_ids[:, num_real:] = run.input_ids[:, num_real - 1:num_real]
         positions = self.kv.positions[:, None] + run.row_offsets  # [B, AR]
         self.rope.fill(positions, cos_out=run.rope_cos, sin_out=run.rope_sin)
         attention_bias(lengths=self.kv.lengths, past_len=shape.past_len, ar=shape.ar, out=run.attention_bias)
@@ -228,6 +232,8 @@ class Engine:
         t0 = time.perf_counter()
         logits = None
         start = 0
+        if self._sink and self.num_cached == 0:
+            logits, start = self._step(self._sink[0], ids[:1]), 1
         max_prefill_past = self._prefill[-1].shape.past_len if self._prefill else -1
         while start < ids.size:
             rest = ids.size - start
@@ -252,8 +258,11 @@ class Engine:
         self.check_room(ids.size)
         out = np.empty((ids.size, self.config.vocab_size), np.float32)  # once per call, not per token
         start = 0
+        if self._sink and self.num_cached == 0 and ids.size:
+            out[0], start = self._step(self._sink[0], ids[:1]), 1
         while start < ids.size:
-            graphs = self._prefill if self._prefill and ids.size - start > 1 else self._decode
+            fits = self._prefill and self.num_cached <= self._prefill[-1].shape.past_len
+            graphs = self._prefill if fits and ids.size - start > 1 else self._decode
             entry = self._rung(graphs, self.num_cached)
             chunk = ids[start:start + entry.shape.ar]
             out[start:start + chunk.size] = self._run(entry, chunk)[0, :chunk.size]
@@ -266,7 +275,8 @@ class Engine:
         self.check_room(1)
         t0 = time.perf_counter()
         self._token[0] = token_id
-        logits = self._step(self._rung(self._decode, self.num_cached), self._token)
+        first = self._sink and self.num_cached == 0
+        logits = self._step(self._sink[0] if first else self._rung(self._decode, self.num_cached), self._token)
         self.counters.num_decode_steps += 1
         self.counters.decode_seconds += time.perf_counter() - t0
         return logits

@@ -92,7 +92,8 @@ def file_boundary(path: Path) -> dict[str, tuple[float, int, str]]:
 def test_kv_boundary_is_integer_and_pairs_share_parameters(family, kv_dtype, request):
     directory = request.getfixturevalue(family)
     graphs = sorted(directory.glob("*.onnx"))
-    assert len(graphs) == 2 * 3  # decode, prefill and verify at each of the two contexts
+    # decode, prefill and verify at each of the two contexts, and the sink graph (not for KV only)
+    assert len(graphs) == 2 * 3 + (family != "tiny_kv_only")
     family_params: dict[str, tuple] = {}
     for path in graphs:
         b = file_boundary(path)
@@ -146,6 +147,31 @@ def test_kv_only_rounds_each_row_once(tiny_kv_only, tiny_family):
     # Later layers see rounded K/V: a few steps, not a clipped range.
     assert (err.max(axis=(1, 2)) <= 64 * scales).all()
     assert (lq.argmax(1) == lf.argmax(1)).all()
+
+
+def _activation_scales(path: Path) -> dict[str, float]:
+    """Per-tensor scales of the graph's internal QuantizeLinear nodes, by the tensor they quantize."""
+    g = onnx.load(str(path), load_external_data=False).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in g.initializer if i.data_location != onnx.TensorProto.EXTERNAL}
+    return {n.input[0]: float(inits[n.input[1]]) for n in g.node
+            if n.op_type == "QuantizeLinear" and inits.get(n.input[1], np.zeros(2)).size == 1}
+
+
+def test_first_token_runs_alone_in_its_own_sink_graph(tiny_q16):
+    """A sequence's first token has activations of its own kind (SmolLM2: massive ones), so it has a graph
+    calibrated on first tokens only; every later token runs in graphs calibrated without them."""
+    from staticlm.export.manifest import GraphKind, load_manifest
+
+    manifest = load_manifest(tiny_q16)
+    (sink,) = manifest.graphs_of(GraphKind.SINK)
+    decode = manifest.graphs_of(GraphKind.DECODE)[0]
+    assert sink.shape == decode.shape and sink.file != decode.file
+    sink_scales, decode_scales = (_activation_scales(tiny_q16 / g.file) for g in (sink, decode))
+    assert sink_scales.keys() == decode_scales.keys() and len(sink_scales) > 50
+    assert sum(sink_scales[k] != decode_scales[k] for k in sink_scales) > len(sink_scales) // 2
+    engine = Engine(tiny_q16, options=EngineOptions(device=CPU))
+    engine.prefill(np.frombuffer(TEXT[:TINY_PREFILL + 3], np.uint8).astype(np.int64))
+    assert sink.name in engine._runners and engine.num_cached == TINY_PREFILL + 3
 
 
 def test_cpu_emulation_matches_float(tiny_q16, tiny_family):
