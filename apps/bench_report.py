@@ -65,6 +65,15 @@ def print_table(rows: list[Row], meta: dict) -> None:
     Console(width=max(160, Console().width)).print(table)
 
 
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def plot_strategies(figure: dict, path: Path) -> Path:
     import matplotlib
 
@@ -87,10 +96,7 @@ def plot_strategies(figure: dict, path: Path) -> Path:
     ax.set_title("Per-token latency vs position by KV strategy (BMC Fig. 16 on this host)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_bmc(figure: dict, path: Path) -> Path:
@@ -111,10 +117,7 @@ def plot_bmc(figure: dict, path: Path) -> Path:
         ax.tick_params(axis="x", labelrotation=90)
         ax.legend()
     fig.suptitle("BMC attention-block latency vs T (Fig. 8 on this host)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_speed(rows: list[Row], path: Path) -> Path | None:
@@ -137,10 +140,7 @@ def plot_speed(rows: list[Row], path: Path) -> Path | None:
     ax.set_title("Decode speed vs context")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_outputs(out_dir: Path, rows: list[Row], *, figures: dict, meta: dict) -> dict[str, Path]:

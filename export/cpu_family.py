@@ -17,8 +17,8 @@ import onnx
 
 from .contract import GraphShape, graph_io
 from .cpu_graph import CpuLlamaGraph, CpuOptions, write_cpu_weights
-from .family import TOKENIZER_FILE, WEIGHTS_FILE, ExportOptions, _replace_dir
-from .manifest import GraphEntry, GraphKind, Manifest, SpecialTokens, file_sha256
+from .family import TOKENIZER_FILE, WEIGHTS_FILE, ExportOptions, _replace_dir, special_tokens
+from .manifest import GraphEntry, GraphKind, Manifest, file_sha256
 from .sources import LoadedModel
 from .weight_file import WeightFileWriter
 
@@ -69,10 +69,7 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
         manifest = Manifest(
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
-            special_tokens=SpecialTokens(bos_token_id=model.bos_token_id, eos_token_ids=tuple(model.eos_token_ids),
-                                         bos_token=model.bos_token, eos_token=model.eos_token,
-                                         add_bos_token=model.add_bos_token),
-            source=model.source, extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True})
+            special_tokens=special_tokens(model), source=model.source, extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True})
         manifest.save(work)
         step("manifest")
         _replace_dir(work, out_dir)

@@ -99,10 +99,7 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
         manifest = Manifest(
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
-            special_tokens=SpecialTokens(bos_token_id=model.bos_token_id, eos_token_ids=tuple(model.eos_token_ids),
-                                         bos_token=model.bos_token, eos_token=model.eos_token,
-                                         add_bos_token=model.add_bos_token),
-            source=model.source)
+            special_tokens=special_tokens(model), source=model.source)
         manifest.save(work)
         step("manifest")
         _replace_dir(work, out_dir)
@@ -110,6 +107,11 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
         shutil.rmtree(work, ignore_errors=True)
         raise
     return manifest
+
+
+def special_tokens(model: LoadedModel) -> SpecialTokens:
+    return SpecialTokens(bos_token_id=model.bos_token_id, eos_token_ids=tuple(model.eos_token_ids),
+                         bos_token=model.bos_token, eos_token=model.eos_token, add_bos_token=model.add_bos_token)
 
 
 def num_steps(options: ExportOptions) -> int:
