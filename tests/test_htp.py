@@ -268,8 +268,9 @@ def test_smollm2_w8a16_agreement(smollm2_loaded, tmp_path):
     result = compare(model, ref, ids, max_tokens=300)
     assert result.num_tokens == 300
     assert result.ppl_change <= 0.05, result
-    # A regression floor, not the issue's 97 % target: the full eval measured 88.9 % (issue 5 stays open on it).
-    assert result.agreement >= 0.85, result
+    # A regression floor, not the issue's 97 % target (issue 5 stays open on it): this shortened run measured
+    # 93.7 % with the sink graph and id-0-free padding, 89.7 % without; the full eval 94.3 %.
+    assert result.agreement >= 0.92, result
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
