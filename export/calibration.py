@@ -84,18 +84,21 @@ def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: in
     steps: list[TraceStep] = []
     sinks: list[TraceStep] = []
     chunk_no = decode_no = 0
-    for token in sink_ids:  # more first tokens than the chat template's one
+
+    def first_token(token: int) -> np.ndarray:  # alone, as the runtime runs it (Engine.prefill, the sink)
+        nonlocal lo, hi
         engine.reset()
         sinks.append(TraceStep(engine.kv.valid_block(0).copy(), np.array([token], np.int64)))
         logits = engine.prefill(sinks[-1].token_ids)
         lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
         np.minimum(kv_min, engine.kv.valid_block(0).min(axis=(1, 2)), out=kv_min)
         np.maximum(kv_max, engine.kv.valid_block(0).max(axis=(1, 2)), out=kv_max)
+        return logits
+
+    for token in sink_ids:  # more first tokens than the chat template's one
+        first_token(token)
     for ids in prompt_ids:
-        engine.reset()
-        sinks.append(TraceStep(engine.kv.valid_block(0).copy(), np.asarray(ids[:1], np.int64)))
-        logits = engine.prefill(sinks[-1].token_ids)  # the runtime runs the first token alone too
-        lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
+        logits = first_token(ids[0])
         for start in range(1, len(ids), chunk):
             part = np.asarray(ids[start:start + chunk], np.int64)
             if chunk_no % chunk_stride == 0:
