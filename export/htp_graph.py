@@ -32,7 +32,7 @@ def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: We
     scale = 1.0 / np.sqrt(c.head_dim)  # folded into Wq, as in the float family
     # Tied or not, the head gets its own [hidden, V] table: quantized per vocab column it keeps the logits'
     # order (one per-tensor 8-bit table for Gather and head cost SmolLM2 top-1 agreement; QNN's Gather
-    # cannot read a per-column table). The quantized copy costs V x hidden bytes (28 MB for SmolLM2).
+    # cannot read a per-column table). The quantized copy costs 2 V x hidden bytes (16-bit: 56 MB for SmolLM2).
     writer.add("embed", hf["model.embed_tokens.weight"].astype(f32))
     head = hf["model.embed_tokens.weight"] if c.tie_word_embeddings else hf["lm_head.weight"]
     writer.add("lm_head_t", head.T.astype(f32))

@@ -7,11 +7,12 @@ boundary QuantizeLinear/DequantizeLinear: inputs and outputs become the integers
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from .contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role, TensorSpec, kv_tensor_index
 from .quant_params import FamilyQuant, Quant, TensorQuant
@@ -50,7 +51,7 @@ def boundary_params(specs: tuple[TensorSpec, ...], fq: FamilyQuant, *, num_kv_he
 DATA_MOVEMENT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"}
 
 
-def _through_data_movement(float_path: Path, pinned: dict[str, TensorQuant]) -> dict[str, TensorQuant]:
+def through_data_movement(float_path: Path, pinned: dict[str, TensorQuant]) -> dict[str, TensorQuant]:
     """Pin also the tensor a data-movement op copies into a pinned output (logits = Reshape(Gemm)):
     the quantizer gives such an op's output its input's parameters, ignoring an override on the output."""
     g = onnx.load(str(float_path), load_external_data=False).graph
@@ -68,6 +69,7 @@ def _through_data_movement(float_path: Path, pinned: dict[str, TensorQuant]) -> 
 # clips: on the tiny model a K projection reached 1.11x its calibrated maximum on the held-out text and came
 # out 12 % wrong. Widening every activation range costs log2(1.25) = 0.3 of 16 bits.
 ACTIVATION_HEADROOM = 1.25
+MINIMUM_REAL_RANGE = 0.0001  # get_qnn_qdq_config's extra option MinimumRealRange (checked in quantize_graph)
 
 
 def _tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) -> list[str]:
@@ -87,16 +89,16 @@ def _tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) ->
     return sorted(names)
 
 
-def _calibrated_ranges(float_path: Path, reader, config, cache: Path) -> None:
-    """MinMax calibration as ORT's MinMaxCalibrater computes it (min and max of each tensor over every step),
-    every range widened, saved as quantize_static's calibration cache. The calibrator's own graph augmentation
-    inserts two nodes per tensor with a linear search each (a third of SmolLM2's export time); listing the
-    tensors as graph outputs and reducing them in numpy gives the same ranges."""
-    import onnxruntime as ort
-    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, save_tensors_data
-    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
+Ranges = dict[str, tuple[np.ndarray, np.ndarray]]  # activation -> (lowest, highest), widened
 
-    names = _tensors_to_calibrate(load_model_with_shape_infer(float_path), config.op_types_to_quantize)
+
+def calibrated_ranges(float_path: Path, reader, names: list[str]) -> Ranges:
+    """MinMax calibration of the named tensors as ORT's MinMaxCalibrater computes it (min and max over every
+    step), every range widened. The calibrator's own graph augmentation inserts two nodes per tensor with a
+    linear search each (a third of SmolLM2's export time); listing the tensors as graph outputs and reducing
+    them in numpy gives the same ranges."""
+    import onnxruntime as ort
+
     augmented = onnx.load(str(float_path), load_external_data=False)
     present = {o.name for o in augmented.graph.output}
     augmented.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in present)
@@ -113,25 +115,31 @@ def _calibrated_ranges(float_path: Path, reader, config, cache: Path) -> None:
         aug_path.unlink(missing_ok=True)
     if not all(np.isfinite(lo[n]) for n in names):
         raise ValueError("calibration read no steps")
-    widened = {n: (np.array(min(lo[n], 0.0) * ACTIVATION_HEADROOM + max(lo[n], 0.0), np.float32),
-                   np.array(max(hi[n], 0.0) * ACTIVATION_HEADROOM + min(hi[n], 0.0), np.float32)) for n in names}
-    save_tensors_data(TensorsData(CalibrationMethod.MinMax, widened), cache)
+    return {n: (np.array(min(lo[n], 0.0) * ACTIVATION_HEADROOM + max(lo[n], 0.0), np.float32),
+                np.array(max(hi[n], 0.0) * ACTIVATION_HEADROOM + min(hi[n], 0.0), np.float32)) for n in names}
 
 
 def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pinned: dict[str, TensorQuant],
-                   weight_overrides: dict[str, list[dict]]) -> None:
-    """QDQ model of float_path (calibrated on reader) at out_path, its weights in out_path's .data file."""
+                   weight_overrides: dict[str, list[dict]]) -> Ranges:
+    """QDQ model of float_path (calibrated on reader) at out_path, its weights in out_path's .data file;
+    returns the activation ranges it was calibrated with."""
     from onnxruntime.quantization import QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, save_tensors_data
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
 
-    overrides = {name: _pinned(t) for name, t in _through_data_movement(float_path, pinned).items()}
+    overrides = {name: _pinned(t) for name, t in through_data_movement(float_path, pinned).items()}
     overrides.update(weight_overrides)
     config = get_qnn_qdq_config(
         str(float_path), reader, activation_type=QuantType.QUInt16,
         weight_type=QuantType.QUInt8 if quant is Quant.W8A16 else QuantType.QInt4,
         per_channel=False, init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])
+    if config.extra_options.get("MinimumRealRange") != MINIMUM_REAL_RANGE:  # recalibrated() repeats the formula
+        raise ValueError(f"onnxruntime's QNN config changed MinimumRealRange: {config.extra_options}")
     cache = out_path.with_suffix(".calibration.json")
-    _calibrated_ranges(float_path, reader, config, cache)
+    names = _tensors_to_calibrate(load_model_with_shape_infer(float_path), config.op_types_to_quantize)
+    ranges = calibrated_ranges(float_path, reader, names)
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), cache)
     # quantize() with this config, but reading the widened ranges instead of calibrating again. Weights go
     # to one side file (use_external_data_format), moved into the family's file later.
     quantize_static(str(float_path), str(out_path), None, calibrate_method=config.calibrate_method,
@@ -141,6 +149,44 @@ def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pi
                     per_channel=config.per_channel, reduce_range=config.reduce_range,
                     use_external_data_format=True, calibration_providers=config.calibration_providers,
                     extra_options=config.extra_options, calibration_cache_path=str(cache))
+    return ranges
+
+
+def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges, pinned: set[str]) -> onnx.ModelProto:
+    """A copy of model (quantize_graph's output, calibrated on `calibrated`) with the activation parameters the
+    quantizer computes from `ranges` instead: same nodes, same weights, same pinned and fixed parameters.
+
+    A second quantizer pass over other calibration steps differs from the first in exactly these numbers
+    (tests/test_htp.py compares the two) but costs minutes on SmolLM2, where this costs milliseconds. A
+    parameter is taken as calibrated only when it is not pinned (quantize_graph's pinned tensors, with
+    through_data_movement) and the quantizer's formula on its `calibrated` range gives the value in the
+    model; fixed-range outputs (Sigmoid, Softmax) and tensors sharing another tensor's parameters (Reshape)
+    fail that check and stay as they are.
+    """
+    from onnxruntime.quantization.quant_utils import compute_scale_zp, get_qmin_qmax_for_qType
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {i.name: i for i in out.graph.initializer}
+
+    def params(lo_hi, zp_type: int):
+        qmin, qmax = get_qmin_qmax_for_qType(zp_type, reduce_range=False, symmetric=False)
+        zero, scale = compute_scale_zp(lo_hi[0], lo_hi[1], qmin, qmax, False, MINIMUM_REAL_RANGE)
+        return np.float32(scale.squeeze()), zero.squeeze()
+
+    # "_convert": the parameters of a tensor's second type where consumers want another one (uint16 -> uint8 KV)
+    for (name, new_range), suffix in itertools.product(ranges.items(), ("", "_convert")):
+        scale_init, zp_init = inits.get(f"{name}_scale{suffix}"), inits.get(f"{name}_zero_point{suffix}")
+        if scale_init is None or zp_init is None or name not in calibrated or name in pinned:
+            continue
+        scale, zero = numpy_helper.to_array(scale_init), numpy_helper.to_array(zp_init)
+        old_scale, old_zero = params(calibrated[name], zp_init.data_type)
+        if scale.shape or scale != old_scale or zero != old_zero:
+            continue  # not from this tensor's calibrated range
+        new_scale, new_zero = params(new_range, zp_init.data_type)
+        scale_init.CopyFrom(numpy_helper.from_array(np.array(new_scale, np.float32), scale_init.name))
+        zp_init.CopyFrom(numpy_helper.from_array(np.array(new_zero, zero.dtype), zp_init.name))
+    return out
 
 
 def _consumers(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto]:

@@ -197,10 +197,11 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = options.num_threads or physical_cores()
     so.inter_op_num_threads = 1
-    # A family has many sessions, each with its own pool. A pool that spins after its run steals the cores
-    # from the next graph's pool (measured: decode -9% when verify and decode graphs alternate); no spinning
-    # costs nothing measurable on decode here.
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Workers spin between the ~1,000 small nodes of a step (parking them costs 6-16 % per decode step here),
+    # but stop the moment the run returns: a family has many sessions, each with its own pool, and a pool
+    # still spinning after its run steals the cores from the next graph's pool (verify and decode alternate).
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    so.add_session_config_entry("session.force_spinning_stop", "1")
     so.log_severity_level = 3
     if shared_weights is not None:
         shared_weights.attach(path, so)

@@ -157,6 +157,20 @@ def _activation_scales(path: Path) -> dict[str, float]:
             if n.op_type == "QuantizeLinear" and inits.get(n.input[1], np.zeros(2)).size == 1}
 
 
+def test_weights_per_channel_with_a_16_bit_head(tiny_q16):
+    """Read from the file: projections 8-bit symmetric per output channel, the head 16-bit per vocab column."""
+    g = onnx.load(str(tiny_q16 / "decode_s32.onnx"), load_external_data=False).graph
+    inits = {i.name: i for i in g.initializer}
+    dq = {n.input[0]: n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
+    head, proj = dq["lm_head_t_quantized"], dq["l0.q_quantized"]
+    assert inits[head.input[0]].data_type == onnx.TensorProto.INT16
+    assert inits[proj.input[0]].data_type == onnx.TensorProto.INT8
+    for node in (head, proj):
+        columns = inits[node.input[0]].dims[1]
+        assert list(inits[node.input[1]].dims) == [columns]  # one scale per output column
+        assert not numpy_helper.to_array(inits[node.input[2]]).any()  # symmetric
+
+
 def test_first_token_runs_alone_in_its_own_sink_graph(tiny_q16):
     """A sequence's first token has activations of its own kind (SmolLM2: massive ones), so it has a graph
     calibrated on first tokens only; every later token runs in graphs calibrated without them."""
@@ -172,6 +186,51 @@ def test_first_token_runs_alone_in_its_own_sink_graph(tiny_q16):
     engine = Engine(tiny_q16, options=EngineOptions(device=CPU))
     engine.prefill(np.frombuffer(TEXT[:TINY_PREFILL + 3], np.uint8).astype(np.int64))
     assert sink.name in engine._runners and engine.num_cached == TINY_PREFILL + 3
+
+
+def _inline_arrays(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+            if i.data_location != onnx.TensorProto.EXTERNAL}
+
+
+@pytest.mark.parametrize("kv_bits", [KVBits.B16, KVBits.B8])
+def test_sink_recalibration_equals_a_second_quantizer_pass(kv_bits, tiny_hf_dir, tmp_path):
+    """The sink graph's parameters are rewritten from first-token ranges instead of quantizing again (minutes
+    on SmolLM2); ONNX Runtime's quantizer run on the first tokens is the reference, parameter for parameter."""
+    import dataclasses
+
+    from staticlm.export import qdq_family as qf
+    from staticlm.export.calibration import record_traces
+    from staticlm.export.sources import load_model
+    from staticlm.export.weight_file import WeightFileWriter
+
+    loaded = load_model(tiny_hf_dir)
+    options = ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,), htp_style=True,
+                            batch_sizes=())
+    fm = export_family(loaded, tmp_path / "float", options=options)
+    ids, eos, first = qf._prompt_ids(tmp_path / "float", qf.calibration_prompts()[:4])
+    traces = record_traces(tmp_path / "float", ids, max_steps=16, max_new_tokens=6, eos_ids=eos, sink_ids=first)
+    quant = QuantOptions(calib_steps=16, kv_bits=kv_bits)
+    fq = qf.family_quant(traces, quant)
+
+    def quantizer_pass(steps, name: str):
+        (tmp_path / name).mkdir()
+        shared = qf._SharedInitializers(WeightFileWriter(tmp_path / name / "weights.bin"))
+        return qf._quantized_template(tmp_path / "float", fm, work=tmp_path / name, steps=steps, fq=fq, quant=quant,
+                                      config=loaded.config, shared=shared)
+
+    template = quantizer_pass(traces.family_steps, "family")
+    reference = quantizer_pass(traces.sink_steps, "sink")
+    rewritten = qf._sink_template(template, tmp_path / "float", fm, traces.sink_steps, fq=fq, config=loaded.config)
+    ref, got, before = (_inline_arrays(t.proto) for t in (reference, rewritten, template))
+    assert ref.keys() == got.keys()
+    assert [n for n in ref if ref[n].dtype != got[n].dtype or not np.array_equal(ref[n], got[n])] == []
+    changed = [n for n in ref if not np.array_equal(ref[n], before[n])]
+    assert len(changed) > 50 and all(n.removesuffix("_convert").endswith(("_scale", "_zero_point")) for n in changed)
+    assert [(n.op_type, list(n.input)) for n in rewritten.proto.graph.node] == \
+        [(n.op_type, list(n.input)) for n in template.proto.graph.node]
+    assert dataclasses.replace(rewritten, proto=None, ranges=None) == dataclasses.replace(template, proto=None,
+                                                                                           ranges=None)
 
 
 def test_cpu_emulation_matches_float(tiny_q16, tiny_family):
@@ -269,8 +328,8 @@ def test_smollm2_w8a16_agreement(smollm2_loaded, tmp_path):
     assert result.num_tokens == 300
     assert result.ppl_change <= 0.05, result
     # A regression floor, not the issue's 97 % target (issue 5 stays open on it): this shortened run measured
-    # 93.7 % with the sink graph and id-0-free padding, 89.7 % without; the full eval 94.3 %.
-    assert result.agreement >= 0.92, result
+    # 95.7 % with the 16-bit head (93.7 % with an 8-bit one; 89.7 % before the sink graph and id-0-free padding).
+    assert result.agreement >= 0.945, result
 
 
 # -- bad input ---------------------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""GPTQ rounding of the HTP family's per-channel weights (Frantar et al., 2022, "GPTQ: Accurate Post-Training
+Quantization for Generative Pre-trained Transformers").
+
+Rounding every weight to its nearest grid point ignores what the layer's inputs look like. GPTQ rounds one
+input row at a time and moves each row's rounding error onto the rows not yet rounded, weighted by the
+inverse Hessian H = X^T X of the layer's real inputs X (recorded on the calibration traces), so the
+layer's *outputs* stay close to float. The grid is unchanged: symmetric, one scale per output column,
+the scale ORT's quantizer would pick. ORT's quantizer then writes exactly these integers, because it is
+handed the GPTQ values (multiples of the scales) with the scales as per-channel overrides.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+# Of H's mean diagonal, added to it. The reference uses 0.01; on SmolLM2's recorded inputs 0.1 gave lower output
+# error on held-out rows at every layer tried (e.g. layer 15's gate_up, 8-bit: 0.62 vs 0.75; nearest 1.04).
+DAMP = 0.1
+BLOCK = 128  # rows rounded together before their error reaches the rest (same result, fewer updates)
+
+
+def weight_inputs(model: onnx.ModelProto, weights: list[str]) -> dict[str, str]:
+    """weight name -> the activation it multiplies (MatMul(x, W))."""
+    wanted = set(weights)
+    return {n.input[1]: n.input[0] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in wanted}
+
+
+def hessians(float_path: Path, steps: Iterable[tuple[dict[str, np.ndarray], int]],
+             inputs: list[str]) -> dict[str, np.ndarray]:
+    """X^T X of each named activation over the calibration steps: (feeds, number of real rows) each. Padding
+    rows (a multi-row graph running a shorter step) are left out: they repeat a real row's token."""
+    import onnxruntime as ort
+
+    model = onnx.load(str(float_path), load_external_data=False)
+    present = {o.name for o in model.graph.output}
+    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in inputs if n not in present)
+    path = float_path.with_name(f"{float_path.stem}.hessians.onnx")  # next to it: weights.bin resolves
+    onnx.save_model(model, path)
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        rows: dict[str, list[np.ndarray]] = {n: [] for n in inputs}
+        for feeds, num_rows in steps:
+            for name, x in zip(inputs, session.run(inputs, feeds)):
+                rows[name].append(x.reshape(-1, x.shape[-1])[:num_rows])  # [B=1, .., AR, K]: real rows first
+    finally:
+        path.unlink(missing_ok=True)
+    if not all(rows.values()):
+        raise ValueError("GPTQ read no calibration steps")
+    stacked = {n: np.concatenate(r) for n, r in rows.items()}  # [num rows, K] float32
+    return {n: x.T @ x for n, x in stacked.items()}  # one GEMM per input
+
+
+def channel_scales(w: np.ndarray, qmin: np.ndarray, qmax: np.ndarray) -> np.ndarray:
+    """[in, out] -> [out]: the symmetric per-column scale, by ORT's formula (compute_scale_zp, vectorized)."""
+    absmax = np.abs(w).max(axis=0).astype(np.float64)
+    scales = (2.0 * absmax / (float(qmax) - float(qmin))).astype(np.float32)
+    return np.where(scales > 0, scales, np.float32(1.0))  # an all-zero column: any scale is exact
+
+
+def gptq(w: np.ndarray, h: np.ndarray, *, scales: np.ndarray, qmin: np.ndarray, qmax: np.ndarray) -> np.ndarray:
+    """w [in, out] float, h [in, in] -> the rounded weights (integer multiples of scales [out], in [qmin, qmax])."""
+    w = w.astype(np.float32)  # a copy: the rows not yet rounded absorb the error
+    h = h.astype(np.float64)  # a copy; inverted in float64, applied in float32
+    dead = np.diag(h) == 0  # inputs that were always zero: any value works, zero is exact
+    h[dead, dead] = 1.0
+    w[dead] = 0.0
+    h[np.diag_indices_from(h)] += DAMP * np.mean(np.diag(h))
+    hinv = np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32)  # upper Cholesky factor of H^-1
+    s = scales.astype(np.float32)
+    q = np.zeros_like(w)
+    for i1 in range(0, w.shape[0], BLOCK):
+        i2 = min(i1 + BLOCK, w.shape[0])
+        block, errors = w[i1:i2].copy(), np.zeros((i2 - i1, w.shape[1]), np.float32)
+        hb = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            q_row = np.clip(np.round(block[i] / s), qmin, qmax)
+            q[i1 + i] = q_row
+            err = (block[i] - q_row * s) / hb[i, i]
+            block[i:] -= np.outer(hb[i, i:], err)
+            errors[i] = err
+        w[i2:] -= hinv[i1:i2, i2:].T @ errors
+    return (q * s).astype(np.float32)
