@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
 
 # Of H's mean diagonal, added to it. The reference uses 0.01; on SmolLM2's recorded inputs 0.1 gave lower output
 # error on held-out rows at every layer tried (e.g. layer 15's gate_up, 8-bit: 0.62 vs 0.75; nearest 1.04).
@@ -33,21 +32,19 @@ def hessians(float_path: Path, steps: Iterable[tuple[dict[str, np.ndarray], int]
              inputs: list[str]) -> dict[str, np.ndarray]:
     """X^T X of each named activation over the calibration steps: (feeds, number of real rows) each. Padding
     rows (a multi-row graph running a shorter step) are left out: they repeat a real row's token."""
-    import onnxruntime as ort
+    from .qdq import tensor_values
 
-    model = onnx.load(str(float_path), load_external_data=False)
-    present = {o.name for o in model.graph.output}
-    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in inputs if n not in present)
-    path = float_path.with_name(f"{float_path.stem}.hessians.onnx")  # next to it: weights.bin resolves
-    onnx.save_model(model, path)
-    try:
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        rows: dict[str, list[np.ndarray]] = {n: [] for n in inputs}
-        for feeds, num_rows in steps:
-            for name, x in zip(inputs, session.run(inputs, feeds)):
-                rows[name].append(x.reshape(-1, x.shape[-1])[:num_rows])  # [B=1, .., AR, K]: real rows first
-    finally:
-        path.unlink(missing_ok=True)
+    num_rows: list[int] = []
+
+    def feeds():  # lazily: a step's feeds hold its whole KV window
+        for f, n in steps:
+            num_rows.append(n)
+            yield f
+
+    rows: dict[str, list[np.ndarray]] = {n: [] for n in inputs}
+    for values in tensor_values(float_path, inputs, feeds()):
+        for name, x in zip(inputs, values):
+            rows[name].append(x.reshape(-1, x.shape[-1])[:num_rows[-1]])  # [B=1, .., AR, K]: real rows first
     if not all(rows.values()):
         raise ValueError("GPTQ read no calibration steps")
     stacked = {n: np.concatenate(r) for n, r in rows.items()}  # [num rows, K] float32

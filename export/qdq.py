@@ -8,6 +8,7 @@ boundary QuantizeLinear/DequantizeLinear: inputs and outputs become the integers
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -92,27 +93,33 @@ def _tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) ->
 Ranges = dict[str, tuple[np.ndarray, np.ndarray]]  # activation -> (lowest, highest), widened
 
 
+def tensor_values(float_path: Path, names: list[str], feeds: Iterable[dict]) -> Iterator[list[np.ndarray]]:
+    """Run the float graph with the named intermediate tensors as extra outputs; their values for each feed."""
+    import onnxruntime as ort
+
+    model = onnx.load(str(float_path), load_external_data=False)
+    present = {o.name for o in model.graph.output}
+    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in present)
+    path = float_path.with_name(f"{float_path.stem}.tensors.onnx")  # next to it: weights.bin resolves
+    onnx.save_model(model, path)
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    finally:
+        path.unlink(missing_ok=True)  # the session holds the graph
+    for f in feeds:
+        yield session.run(names, f)
+
+
 def calibrated_ranges(float_path: Path, reader, names: list[str]) -> Ranges:
     """MinMax calibration of the named tensors as ORT's MinMaxCalibrater computes it (min and max over every
     step), every range widened. The calibrator's own graph augmentation inserts two nodes per tensor with a
     linear search each (a third of SmolLM2's export time); listing the tensors as graph outputs and reducing
     them in numpy gives the same ranges."""
-    import onnxruntime as ort
-
-    augmented = onnx.load(str(float_path), load_external_data=False)
-    present = {o.name for o in augmented.graph.output}
-    augmented.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in present)
-    aug_path = float_path.with_name(f"{float_path.stem}.calibration.onnx")  # next to it: weights.bin resolves
-    onnx.save_model(augmented, aug_path)
-    try:
-        session = ort.InferenceSession(str(aug_path), providers=["CPUExecutionProvider"])
-        lo = {n: np.inf for n in names}
-        hi = {n: -np.inf for n in names}
-        while (feeds := reader.get_next()) is not None:
-            for n, value in zip(names, session.run(names, feeds)):
-                lo[n], hi[n] = min(lo[n], float(value.min())), max(hi[n], float(value.max()))
-    finally:
-        aug_path.unlink(missing_ok=True)
+    lo = {n: np.inf for n in names}
+    hi = {n: -np.inf for n in names}
+    for values in tensor_values(float_path, names, iter(reader.get_next, None)):
+        for n, value in zip(names, values):
+            lo[n], hi[n] = min(lo[n], float(value.min())), max(hi[n], float(value.max()))
     if not all(np.isfinite(lo[n]) for n in names):
         raise ValueError("calibration read no steps")
     return {n: (np.array(min(lo[n], 0.0) * ACTIVATION_HEADROOM + max(lo[n], 0.0), np.float32),
