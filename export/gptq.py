@@ -81,3 +81,35 @@ def gptq(w: np.ndarray, h: np.ndarray, *, scales: np.ndarray, qmin: np.ndarray, 
             errors[i] = err
         w[i2:] -= hinv[i1:i2, i2:].T @ errors
     return (q * s).astype(np.float32)
+
+
+def round_weights(float_path: Path, weights_path: Path, steps: Iterable[tuple[dict[str, np.ndarray], int]], *,
+                  weights: list[str], qtype) -> dict[str, list[dict]]:
+    """GPTQ-round the named [in, out] weights of float_path's graph in its weight file, in place; returns the
+    per-channel overrides (scale, zero point 0) that make ORT's quantizer write exactly these integers."""
+    from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
+
+    qmin, qmax = get_qmin_qmax_for_qType(qtype.tensor_type, symmetric=True)  # numpy scalars, as ORT uses them
+    model = onnx.load(str(float_path), load_external_data=False)
+    inputs = weight_inputs(model, weights)
+    h = hessians(float_path, steps, sorted(set(inputs.values())))
+    stored = np.memmap(weights_path, dtype=np.uint8, mode="r+")
+    views = {}
+    for init in model.graph.initializer:
+        if init.name in inputs:
+            info = {e.key: e.value for e in init.external_data}
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            views[init.name] = stored[offset:offset + length].view(np.float32).reshape(tuple(init.dims))  # [in, out]
+    overrides = {}
+    for x in sorted(set(inputs.values())):  # weights reading one input share its Hessian: round them as one matrix
+        names = sorted(n for n, i in inputs.items() if i == x)
+        w = np.concatenate([views[n] for n in names], axis=1)
+        scales = channel_scales(w, qmin, qmax)
+        rounded = gptq(w, h[x], scales=scales, qmin=qmin, qmax=qmax)
+        bounds = np.cumsum([0] + [views[n].shape[1] for n in names])
+        for n, a, b in zip(names, bounds[:-1], bounds[1:]):
+            views[n][:] = rounded[:, a:b]
+            overrides[n] = [{"quant_type": qtype, "symmetric": True, "axis": 1, "scale": sc, "zero_point": 0}
+                            for sc in scales[a:b]]
+    stored.flush()
+    return overrides

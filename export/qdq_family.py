@@ -165,39 +165,14 @@ def _step_reader(fm: Manifest, steps, *, fq: FamilyQuant, config):
 
 def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, quant: QuantOptions,
                     config) -> dict[str, list[dict]]:
-    """GPTQ-round the projection weights in the scratch float family's weight file (gptq.py), in place, and
-    return the per-channel overrides that make ORT's quantizer write exactly those integers."""
+    """GPTQ-round the projection weights in the scratch float family's weight file (gptq.py)."""
     from onnxruntime.quantization import QuantType
-    from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
 
-    qtype = QuantType.QInt8 if quant.quant is Quant.W8A16 else QuantType.QInt4
-    qmin, qmax = get_qmin_qmax_for_qType(qtype.tensor_type, symmetric=True)  # numpy scalars, as ORT uses them
-    float_path = float_dir / template_entry(fm.graphs).file
-    model = onnx.load(str(float_path), load_external_data=False)
-    inputs = gptq.weight_inputs(model, _projection_weights(config))
     feeds = _step_feeds(fm, fq=fq, config=config)
     real_rows = ((feeds.feeds(s), min(s.token_ids.size, feeds.shape.ar)) for s in feeds.select(steps))
-    h = gptq.hessians(float_path, real_rows, sorted(set(inputs.values())))
-    stored = np.memmap(float_dir / WEIGHTS_FILE, dtype=np.uint8, mode="r+")
-    views = {}
-    for init in model.graph.initializer:
-        if init.name in inputs:
-            info = {e.key: e.value for e in init.external_data}
-            offset, length = int(info.get("offset", 0)), int(info["length"])
-            views[init.name] = stored[offset:offset + length].view(np.float32).reshape(tuple(init.dims))  # [in, out]
-    overrides = {}
-    for x in sorted(set(inputs.values())):  # weights reading one input share its Hessian: round them as one matrix
-        names = sorted(n for n, i in inputs.items() if i == x)
-        w = np.concatenate([views[n] for n in names], axis=1)
-        scales = gptq.channel_scales(w, qmin, qmax)
-        rounded = gptq.gptq(w, h[x], scales=scales, qmin=qmin, qmax=qmax)
-        bounds = np.cumsum([0] + [views[n].shape[1] for n in names])
-        for n, a, b in zip(names, bounds[:-1], bounds[1:]):
-            views[n][:] = rounded[:, a:b]
-            overrides[n] = [{"quant_type": qtype, "symmetric": True, "axis": 1, "scale": sc, "zero_point": 0}
-                            for sc in scales[a:b]]
-    stored.flush()
-    return overrides
+    return gptq.round_weights(float_dir / template_entry(fm.graphs).file, float_dir / WEIGHTS_FILE, real_rows,
+                              weights=_projection_weights(config),
+                              qtype=QuantType.QInt8 if quant.quant is Quant.W8A16 else QuantType.QInt4)
 
 
 def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq: FamilyQuant,
@@ -209,7 +184,8 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
     qpath = work / "q" / entry.file
     qpath.parent.mkdir()
     ranges = quantize_graph(float_dir / entry.file, qpath, reader=_step_reader(fm, steps, fq=fq, config=config),
-                            quant=quant.quant, pinned=pinned, weight_overrides={**weight_overrides(quant.quant, config), **(rounded or {})})
+                            quant=quant.quant, pinned=pinned,
+                            weight_overrides={**weight_overrides(quant.quant, config), **(rounded or {})})
     proto = strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned)
     shared.absorb(proto)
     shutil.rmtree(qpath.parent)
