@@ -159,7 +159,8 @@ def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pi
     return ranges
 
 
-def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges, pinned: set[str]) -> onnx.ModelProto:
+def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges,
+                 pinned: frozenset[str]) -> onnx.ModelProto:
     """A copy of model (quantize_graph's output, calibrated on `calibrated`) with the activation parameters the
     quantizer computes from `ranges` instead: same nodes, same weights, same pinned and fixed parameters.
 

@@ -151,6 +151,7 @@ class _Template:
     proto: onnx.ModelProto  # quantized, integer boundary, weights in the family's file
     float_proto: onnx.ModelProto  # the float graph it was made from (no weights loaded)
     ranges: Ranges  # the activation ranges it was calibrated with
+    pinned: frozenset[str]  # tensors whose parameters are the family's (boundary, through data movement)
 
 
 def _step_feeds(fm: Manifest, *, fq: FamilyQuant, config) -> StepFeeds:
@@ -163,16 +164,14 @@ def _step_reader(fm: Manifest, steps, *, fq: FamilyQuant, config):
     return trace_reader(_step_feeds(fm, fq=fq, config=config), steps)
 
 
-def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, quant: QuantOptions,
-                    config) -> dict[str, list[dict]]:
-    """GPTQ-round the projection weights in the scratch float family's weight file (gptq.py)."""
+def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, config) -> dict[str, list[dict]]:
+    """GPTQ-round the 8-bit projection weights in the scratch float family's weight file (gptq.py)."""
     from onnxruntime.quantization import QuantType
 
     feeds = _step_feeds(fm, fq=fq, config=config)
     real_rows = ((feeds.feeds(s), min(s.token_ids.size, feeds.shape.ar)) for s in feeds.select(steps))
     return gptq.round_weights(float_dir / template_entry(fm.graphs).file, float_dir / WEIGHTS_FILE, real_rows,
-                              weights=_projection_weights(config),
-                              qtype=QuantType.QInt8 if quant.quant is Quant.W8A16 else QuantType.QInt4)
+                              weights=_projection_weights(config), qtype=QuantType.QInt8)
 
 
 def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq: FamilyQuant,
@@ -190,19 +189,15 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
     shared.absorb(proto)
     shutil.rmtree(qpath.parent)
     return _Template(proto=proto, float_proto=onnx.load(str(float_dir / entry.file), load_external_data=False),
-                     ranges=ranges)
+                     ranges=ranges, pinned=frozenset(through_data_movement(float_dir / entry.file, pinned)))
 
 
 def _sink_template(template: _Template, float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant,
                    config) -> _Template:
     """The template with its activation parameters calibrated on first tokens only (see calibration.py)."""
-    entry = template_entry(fm.graphs)
-    float_path = float_dir / entry.file
-    ranges = calibrated_ranges(float_path, _step_reader(fm, steps, fq=fq, config=config),
-                               sorted(template.ranges))
-    pinned = through_data_movement(float_path, boundary_params(entry.inputs + entry.outputs, fq,
-                                                                num_kv_heads=config.num_kv_heads))
-    proto = recalibrated(template.proto, calibrated=template.ranges, ranges=ranges, pinned=set(pinned))
+    ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
+                               _step_reader(fm, steps, fq=fq, config=config), sorted(template.ranges))
+    proto = recalibrated(template.proto, calibrated=template.ranges, ranges=ranges, pinned=template.pinned)
     return dataclasses.replace(template, proto=proto, ranges=ranges)
 
 
@@ -245,7 +240,7 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
             shared = _SharedInitializers(writer)
             # w8a16 only: w4a16 measured worse with it (SmolLM2, 300 tokens: 37 % vs 46 % agreement; each layer's
             # own output error fell, but 4-bit layers feed the next ones inputs far from the float ones it is fit to)
-            rounded = (_gptq_overrides(float_dir, fm, traces.family_steps, fq=fq, quant=quant, config=config)
+            rounded = (_gptq_overrides(float_dir, fm, traces.family_steps, fq=fq, config=config)
                        if quant.quant is Quant.W8A16 else None)
             step("GPTQ")
             template = _quantized_template(float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant,
