@@ -34,6 +34,9 @@ class BenchOptions:
     out_dir: Path | None = None  # None: ./bench-<timestamp>
     quick: bool = False  # a smoke run: few steps, one repeat, small microbenchmark
     long_gen: int | None = None  # tokens of the per-position latency run (None: up to the largest context)
+    # A --cpu-attention windows family of the same model: the window strategies' rows when model_dir keeps its
+    # KV in place (GroupQueryAttention graphs have no windows to manage)
+    windows_model: Path | None = None
 
     @property
     def decode_steps(self) -> int:
@@ -115,14 +118,14 @@ class BenchContext:
     log: Callable[[str], None] = print
     started: float = field(default_factory=time.perf_counter)
 
-    def engine(self, **option_overrides):
-        """A fresh engine on the family, CPU, the bench's thread count, warmed up."""
+    def engine(self, *, model_dir: Path | None = None, **option_overrides):
+        """A fresh engine on the family (or model_dir), CPU, the bench's thread count, warmed up."""
         from staticlm.runtime.device import Device, DeviceOptions
         from staticlm.runtime.engine import Engine, EngineOptions
 
         options = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=self.options.threads),
                                 **option_overrides)
-        engine = Engine(self.model_dir, options=options)
+        engine = Engine(model_dir or self.model_dir, options=options)
         engine.warm_up()
         return engine
 

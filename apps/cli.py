@@ -14,7 +14,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or htp (Qualcomm NPU through QNN)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--soc-model", default=None, help="QNN SoC model for htp (default 57, Snapdragon 8 Gen 3)")
-    p.add_argument("--kv-strategy", default="pointer", help="pointer (default), shift, concat or bmc")
+    p.add_argument("--kv-strategy", default="pointer", help="window graphs: pointer (default), shift, concat or bmc; "
+                   "in-place graphs (the cpu target's default) use in_place, their only strategy")
     p.add_argument("--kv-reserve", type=float, default=2.0, help="KV buffer rows as a multiple of S-1 (default 2.0)")
     p.add_argument("--on-overflow", default="error", help="when the context is full: error or slide")
     p.add_argument("--prepack", action="store_true",
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--target", default=None, help="htp: quantized QDQ family for the Qualcomm NPU; cpu: MatMulNBits "
                    "4/8-bit weights for the CPU EP (default: float)")
     e.add_argument("--weight-bits", type=int, default=None, help="with --target cpu: 4 (default) or 8")
+    e.add_argument("--cpu-attention", default=None,
+                   help="with --target cpu: gqa (default: GroupQueryAttention, KV appended in place) or windows "
+                        "(per-head past windows, for the kv_manager strategies and the BMC ladder)")
     e.add_argument("--quant", default=None, help="with --target htp: w8a16 (default), w4a16, or kv (KV only)")
     e.add_argument("--kv-bits", type=int, default=None, help="with --target htp: KV I/O bits, 16 (default) or 8")
     e.add_argument("--calib-steps", type=int, default=None, help="with --target htp: recorded steps to calibrate on")
@@ -85,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "genai,llamacpp,optimum,transformers")
     b.add_argument("--out", type=Path, default=None, help="output directory (default ./bench-<timestamp>)")
     b.add_argument("--long-gen", type=int, default=None, help="tokens of the per-position latency run (default 1024)")
+    b.add_argument("--windows-model", type=Path, default=None,
+                   help="a --cpu-attention windows export of the same model: the concat/shift/bmc/pointer rows when "
+                        "--model keeps its KV in place")
     b.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat, small microbenchmark")
     a = sub.add_parser("app", help="the desktop chat window (the terminal chat where there is no display)")
     _add_run_options(a)
@@ -115,7 +122,7 @@ def _generation_params(args):
 
 def _quant_args(args) -> dict:
     """--target htp and its options, only when typed (run_export's defaults otherwise)."""
-    names = ("target", "quant", "kv_bits", "calib_steps", "weight_bits")
+    names = ("target", "quant", "kv_bits", "calib_steps", "weight_bits", "cpu_attention")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -157,7 +164,7 @@ def dispatch(args) -> int:
 
         run_bench(BenchOptions(model_dir=args.model, threads=args.threads, contexts=parse_contexts(args.contexts),
                                prompt_len=args.prompt_len, peers=parse_peers(args.peers), out_dir=args.out,
-                               quick=args.quick, long_gen=args.long_gen))
+                               quick=args.quick, long_gen=args.long_gen, windows_model=args.windows_model))
         return 0
     if args.command == "app":
         from .gui_app import launch

@@ -69,16 +69,17 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
                prefill_len: int | None, verify_lens: str | None = None, batch_sizes: str | None = None,
                draft_layers: int | None = None, quiet: bool = False, target: str | None = None,
                quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
-               weight_bits: int | None = None) -> Path:
+               weight_bits: int | None = None, cpu_attention: str | None = None) -> Path:
     ctx = contexts if isinstance(contexts, tuple) else parse_contexts(contexts)
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
     options = ExportOptions(contexts=ctx, prefill_len=prefill_len,
                             verify_lens=parse_verify_lens(verify_lens, prefill_len=prefill_len),
                             batch_sizes=parse_batch_sizes(batch_sizes))
-    if (target or "").lower() == "cpu" or weight_bits is not None:  # MatMulNBits graphs (cmd_export_cpu.py)
+    if (target or "").lower() == "cpu" or weight_bits is not None or cpu_attention is not None:  # cmd_export_cpu.py
         from .cmd_export_cpu import run_export_cpu
 
         return run_export_cpu(model=model, out_dir=out_dir, options=options, target=target, weight_bits=weight_bits,
+                              attention=cpu_attention,
                               other_options=(quant, kv_bits, calib_steps), draft_layers=draft_layers, quiet=quiet)
     quant_options = parse_quant_options(target=target, quant=quant, kv_bits=kv_bits, calib_steps=calib_steps)
     if quant_options is not None:

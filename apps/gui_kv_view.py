@@ -51,9 +51,12 @@ class KVProbe:
         self.engine = engine
         # The decode ladder's windows, smallest first: the engine runs the smallest that holds every row.
         self.windows = tuple(sorted(g.shape.past_len for g in engine.manifest.graphs_of(GraphKind.DECODE)))
-        self.strategy = engine.options.kv_strategy.value
+        self.strategy = "in_place" if engine.in_place else engine.options.kv_strategy.value
+        self.in_place = engine.in_place
 
     def window_for(self, length: int) -> int:
+        if self.in_place:  # GroupQueryAttention reads exactly the valid rows
+            return length
         return next((w for w in self.windows if w >= length), self.windows[-1])
 
     def snapshot(self) -> KVSnapshot:

@@ -12,7 +12,10 @@ from .config import ModelConfig
 
 
 class KVLayout(str, Enum):
-    PER_HEAD = "per_head"  # one [1, 1, P, D] tensor per (layer, KV head, K|V) and sequence
+    PER_HEAD = "per_head"  # one [1, 1, P, D] tensor per (layer, KV head, K|V) and sequence: windows over rows
+    # One [B, Hkv, C, D] buffer per (layer, K|V), bound as both the past input and the present output of ORT's
+    # GroupQueryAttention (the cpu target): the graph appends its rows in place and attends over the real rows only.
+    IN_PLACE = "in_place"
 
 
 class Role(str, Enum):
@@ -25,10 +28,18 @@ class Role(str, Enum):
     LOGITS = "logits"
     NEW_KEY = "new_key"
     NEW_VALUE = "new_value"
+    # in-place layout only
+    POSITION_IDS = "position_ids"
+    SEQLENS_K = "seqlens_k"  # [B] int32: rows cached after this step, minus one (ORT's convention)
+    TOTAL_LENGTH = "total_sequence_length"  # scalar int32: an upper bound of those rows
+    QUERY_LENGTHS = "query_seqlens"  # [B] int32: real rows of this step's AR (the rest is right padding)
+    PRESENT_KEY = "present_key"
+    PRESENT_VALUE = "present_value"
 
 
 KV_INPUT_ROLES = (Role.PAST_KEY, Role.PAST_VALUE)
 KV_OUTPUT_ROLES = (Role.NEW_KEY, Role.NEW_VALUE)
+BUFFER_OUTPUT_ROLES = (Role.PRESENT_KEY, Role.PRESENT_VALUE)
 
 
 @dataclass(frozen=True)
@@ -114,4 +125,32 @@ def graph_io(config: ModelConfig, shape: GraphShape, *, kv_dtype: str = "float32
                                              layer, h, seq))  # [1, 1, P, D]
                     outputs.append(TensorSpec(kv_name(new, layer, h, seq), new, kv_dtype, (1, 1, ar, d),
                                               layer, h, seq))  # [1, 1, AR, D]
+    return tuple(inputs), tuple(outputs)
+
+
+def buffer_name(role: Role, layer: int) -> str:
+    """past_key_3 / present_key_3: the in-place layout's one buffer per (layer, K|V)."""
+    return f"{role.value}_{layer}"
+
+
+def in_place_graph_io(config: ModelConfig, shape: GraphShape) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Inputs and outputs of a KVLayout.IN_PLACE graph; buffers in (layer, K then V) order.
+
+    The buffers' row count is the kv_manager's capacity (symbolic in the graph file); the manifest records the
+    graph's context there.
+    """
+    b, ar, d, hkv = shape.batch, shape.ar, config.head_dim, config.num_kv_heads
+    inputs = [
+        TensorSpec("input_ids", Role.INPUT_IDS, "int64", (b, ar)),
+        TensorSpec("position_ids", Role.POSITION_IDS, "int64", (b, ar)),
+        TensorSpec("seqlens_k", Role.SEQLENS_K, "int32", (b,)),
+        TensorSpec("total_sequence_length", Role.TOTAL_LENGTH, "int32", ()),
+        TensorSpec("query_seqlens", Role.QUERY_LENGTHS, "int32", (b,)),
+    ]
+    outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, ar, config.vocab_size))]  # [B, AR, V]
+    for layer in range(config.num_layers):
+        for past, present in ((Role.PAST_KEY, Role.PRESENT_KEY), (Role.PAST_VALUE, Role.PRESENT_VALUE)):
+            rows = (b, hkv, shape.context, d)  # [B, Hkv, C, D]
+            inputs.append(TensorSpec(buffer_name(past, layer), past, "float32", rows, layer))
+            outputs.append(TensorSpec(buffer_name(present, layer), present, "float32", rows, layer))
     return tuple(inputs), tuple(outputs)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import onnx
 
-from .contract import GraphShape, graph_io
-from .cpu_graph import CpuLlamaGraph, CpuOptions, write_cpu_weights
+from .contract import GraphShape, graph_io, in_place_graph_io
+from .cpu_graph import CpuAttention, CpuLlamaGraph, CpuOptions, write_cpu_weights
 from .family import TOKENIZER_FILE, WEIGHTS_FILE, ExportOptions, _replace_dir, special_tokens
 from .manifest import GraphEntry, GraphKind, Manifest, file_sha256
 from .sources import LoadedModel
@@ -61,7 +61,7 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             step(file)
         entries = []
         for name, kind, shape in shapes:
-            inputs, outputs = graph_io(config, shape)
+            inputs, outputs = (in_place_graph_io if cpu.attention is CpuAttention.GQA else graph_io)(config, shape)
             file = graph_file(kind, shape)
             entries.append(GraphEntry(name=name, file=file, kind=kind, shape=shape, inputs=inputs, outputs=outputs,
                                       sha256=hashes[file]))
@@ -69,7 +69,8 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
         manifest = Manifest(
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
-            special_tokens=special_tokens(model), source=model.source, extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True})
+            special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
+            extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True})
         manifest.save(work)
         step("manifest")
         _replace_dir(work, out_dir)

@@ -4,23 +4,28 @@
   onnxruntime.quantization (never by hand). The tied head quantizes the embedding table along hidden, which
   is exactly GatherBlockQuantized's layout for a uint8-packed table, so the embedding gathers from the same
   bytes: the 49152 x 576 table is stored once, quantized, for both ends of the model.
-- The past length is symbolic (`past_len`): one graph file per (batch, AR) serves every rung of the context
-  ladder, so a family holds one session (one prepacked weight copy) per AR instead of one per context.
-- The decoder body (cpu_attention.py) is written with ORT's fused CPU contrib ops and few nodes per layer
-  (checked by tests/test_cpu_target.py in the exported and the ORT-optimized graph).
+- Attention (CpuAttention): by default ORT's GroupQueryAttention over KV buffers it updates in place
+  (cpu_gqa.py, KVLayout.IN_PLACE); `windows` keeps the design's per-head past windows and new-row outputs
+  (cpu_attention.py), which the kv_manager's four strategies and the BMC ladder manage.
+- The KV length is symbolic (`past_len`, `kv_rows`): one graph file per (batch, AR) serves every context, so a
+  family holds one session (one prepacked weight copy) per AR instead of one per context.
+- Both bodies use ORT's fused CPU contrib ops and few nodes per layer (checked by tests/test_cpu_target.py in
+  the exported and the ORT-optimized graph).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 import numpy as np
 import onnx
 from onnx import helper
 
 from .config import ModelConfig
-from .contract import KV_INPUT_ROLES, Role, graph_io, kv_name
-from .cpu_attention import decoder
+from .contract import KV_INPUT_ROLES, KVLayout, Role, graph_io, in_place_graph_io, kv_name
+from .cpu_attention import decoder as windows_decoder
+from .cpu_gqa import ROPE_COS, ROPE_SIN, rope_tables
+from .cpu_gqa import decoder as gqa_decoder
 from .cpu_quant import BlockQuantizer, block_sum_matrix, correction_rows
 from .llama_graph import LlamaGraph, write_weights
 from .weight_file import WeightFileWriter
@@ -29,6 +34,17 @@ MS_DOMAIN = "com.microsoft"
 QUANTIZED_SUFFIXES = (".qkv", ".o", ".gate_up", ".down", "head_t")
 PAST_DIM = "past_len"
 BIAS_DIM = "past_len_plus_ar"
+ROWS_DIM = "kv_rows"
+
+
+class CpuAttention(str, Enum):
+    # GroupQueryAttention, KV appended in place (SmolLM2, 2 threads: 1.2x the windows graph's decode at context 128)
+    GQA = "gqa"
+    WINDOWS = "windows"  # per-head past windows + new-row outputs: the kv_manager strategies and the BMC ladder
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout.IN_PLACE if self is CpuAttention.GQA else KVLayout.PER_HEAD
 
 
 class WeightBits(IntEnum):
@@ -55,6 +71,7 @@ class CpuOptions:
     # Extra K rows undoing each block's mean rounding error (cpu_quant.py): with them SmolLM2's 4-bit layers
     # agree with float on 95.5 % of top-1 tokens instead of 74.5 % (head at 8 bits both times).
     block_correction: bool = True
+    attention: CpuAttention = CpuAttention.GQA
 
     def corrects(self, k: int) -> bool:
         """Whether a layer weight with K inputs carries correction rows (they must start a new block)."""
@@ -72,7 +89,7 @@ class CpuOptions:
         return {"format": "MatMulNBits", "bits": int(self.bits), "head_bits": int(self.head),
                 "block_size": self.block_size, "block_correction": self.block_correction,
                 "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
-                "accuracy_level": self.accuracy_level}
+                "accuracy_level": self.accuracy_level, "attention": self.attention.value}
 
     def is_symmetric(self, weight: str) -> bool:
         return self.head_symmetric if weight == "head_t" else self.symmetric
@@ -119,6 +136,10 @@ def write_cpu_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: We
         writer.add(f"{name}.scales", scales)
         if zero_points is not None:
             writer.add(f"{name}.zp", zero_points)
+    if options.attention is CpuAttention.GQA:  # [max_positions, D/2], shared by every graph and layer
+        cos, sin = rope_tables(head_dim=config.head_dim, theta=config.rope_theta, max_positions=config.max_positions)
+        writer.add(ROPE_COS, cos)
+        writer.add(ROPE_SIN, sin)
 
 
 class CpuLlamaGraph(LlamaGraph):
@@ -194,15 +215,24 @@ class CpuLlamaGraph(LlamaGraph):
 
     def build(self, name: str) -> onnx.ModelProto:
         g, c, s = self.g, self.c, self.s
-        inputs, outputs = graph_io(c, s)
-        h = decoder(self, self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden], final-normed
+        gqa = self.options.attention is CpuAttention.GQA
+        inputs, outputs = (in_place_graph_io if gqa else graph_io)(c, s)
+        h = (gqa_decoder if gqa else windows_decoder)(self, self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
         h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))
         g.op("Reshape", self.lm_head(h), g.const([s.batch, s.ar, c.vocab_size]), outputs=[Role.LOGITS.value])
         model = g.model(name=name, inputs=inputs, outputs=outputs,
                         doc=f"staticlm {name} (cpu): AR={s.ar}, P<={s.past_len}, S={s.context}")
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-        _make_past_symbolic(model)
+        (_make_rows_symbolic if gqa else _make_past_symbolic)(model)
         return model
+
+
+def _make_rows_symbolic(model: onnx.ModelProto) -> None:
+    """In-place buffers [B, Hkv, C, D] -> [B, Hkv, kv_rows, D]: the kv_manager chooses C."""
+    for value in (*model.graph.input, *model.graph.output):
+        if value.name.startswith(tuple(f"{r.value}_" for r in (Role.PAST_KEY, Role.PAST_VALUE, Role.PRESENT_KEY,
+                                                                  Role.PRESENT_VALUE))):
+            value.type.tensor_type.shape.dim[2].dim_param = ROWS_DIM
 
 
 def _make_past_symbolic(model: onnx.ModelProto) -> None:

@@ -11,8 +11,9 @@ from .config import ModelConfig
 from .contract import GraphShape, KVLayout, TensorSpec, num_kv_tensors
 
 MAGIC = "staticlm-family"
-FORMAT_VERSION = 2  # 2: quantized families (integer I/O dtypes, `quantization` parameters)
-READABLE_VERSIONS = (1, 2)  # a version-1 family is a float family, still valid as written
+# 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # older families are still valid as written
 MANIFEST_NAME = "manifest.json"
 
 

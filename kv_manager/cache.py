@@ -1,9 +1,10 @@
 """The bookkeeping every strategy shares: lengths, positions, windows, slots, overflow.
 
-All strategies keep KV in one array per cache, laid out [T, B, rows, D] (T = one tensor per
-layer x KV head x K/V). A sequence's valid rows are `rows[end - length : end]`; a graph with
-past length P reads the window `rows[end - P : end]` (left padding included) and writes its AR
-new rows into the slot `rows[end : end + AR]`. Strategies differ only in how they make room.
+All strategies keep KV in one array per cache, laid out [G, B, H, rows, D]: G buffers of H KV heads
+(G = T tensors of one head each, or one buffer per layer x K/V holding every KV head for the in-place
+layout). A sequence's valid rows are `rows[end - length : end]`; a graph with past length P reads the
+window `rows[end - P : end]` (left padding included) and writes its AR new rows into the slot
+`rows[end : end + AR]`. Strategies differ only in how they make room.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class KVCache:
         self.lengths = np.zeros(spec.batch, np.int64)  # [B] valid rows
         self._num_dropped = np.zeros(spec.batch, np.int64)  # [B] rows the slide policy forgot
         self._prepared_ar = 0
+        coords = np.array([spec.coords(t) for t in range(spec.num_tensors)]).reshape(-1, 2)
+        self._g, self._h = coords[:, 0], coords[:, 1]  # [T] each tensor's buffer and head inside it
         self._set_buffer(self._new_buffer(self._initial_rows()))
         self.ends = np.full(spec.batch, self._initial_end(), np.int64)  # [B] one past the last valid row
 
@@ -28,6 +31,8 @@ class KVCache:
 
     def _initial_end(self) -> int:
         return self.spec.max_past
+
+    _loads_forward = False  # whether an empty sequence's rows start at `end` (in place) or end there (windows)
 
     def _make_room(self, past_len: int, ar: int) -> None:
         """Ensure every sequence has P rows before `end` and AR rows after it."""
@@ -39,34 +44,45 @@ class KVCache:
     def _after_truncate(self, seq: int, num_removed: int) -> None:
         pass
 
+    def _kept_after_slide(self, past_len: int) -> int:
+        """Rows a sliding sequence keeps (the newest): the whole window, unless moving rows is costly."""
+        return past_len
+
     # -- buffers ---------------------------------------------------------------------------
     def _new_buffer(self, rows: int) -> np.ndarray:
         s = self.spec
         # Zeros, not empty: padding rows are masked, but uninitialised bytes may hold NaN, and NaN * 0 is NaN.
-        buf = np.zeros((s.num_tensors, s.batch, rows, s.head_dim), s.dtype)  # [T, B, rows, D]
+        buf = np.zeros((s.num_buffers, s.batch, s.heads_per_buffer, rows, s.head_dim), s.dtype)  # [G, B, H, rows, D]
         if s.pad_values is not None:  # once per allocation, never per token
-            buf[...] = np.asarray(s.pad_values, s.dtype)[:, None, None, None]
+            pads = np.empty((s.num_buffers, s.heads_per_buffer), s.dtype)
+            pads[self._g, self._h] = s.pad_values
+            buf[...] = pads[:, None, :, None, None]
         self.stats.num_allocations += 1
         return buf
 
     def _set_buffer(self, buf: np.ndarray) -> None:
         self._buf = buf
-        s0, s1, self._row_stride, _ = buf.strides
-        t, b = np.meshgrid(np.arange(buf.shape[0]), np.arange(buf.shape[1]), indexing="ij")
-        self._tb_addresses = buf.ctypes.data + t * s0 + b * s1  # [T, B] address of row 0
+        self.buffer_generation = getattr(self, "buffer_generation", -1) + 1  # bindings to the old buffer are stale
+        sg, sb, sh, self._row_stride, _ = buf.strides
+        offsets = self._g * sg + self._h * sh  # [T]
+        self._tb_addresses = buf.ctypes.data + offsets[:, None] + np.arange(buf.shape[1])[None] * sb  # [T, B] row 0
         self.stats.reserved_bytes = buf.nbytes
 
     def _move_rows(self, seq: int, *, src: int, dst: int, num_rows: int, into: np.ndarray | None = None) -> None:
         """One copy of num_rows rows of every tensor of one sequence (the only way KV is ever copied)."""
         target = self._buf if into is None else into
         if num_rows > 0 and (src != dst or into is not None):
-            target[:, seq, dst:dst + num_rows] = self._buf[:, seq, src:src + num_rows]
+            target[:, seq, :, dst:dst + num_rows] = self._buf[:, seq, :, src:src + num_rows]
             self.stats.copied_rows += num_rows
             self.stats.copied_bytes += num_rows * self.spec.num_tensors * self.spec.head_dim * self.spec.itemsize
 
     @property
     def capacity(self) -> int:
-        return self._buf.shape[2]
+        return self._buf.shape[3]
+
+    def buffers(self) -> list[np.ndarray]:
+        """The G buffers, each [B, H, rows, D] and contiguous (what an in-place graph binds)."""
+        return list(self._buf)
 
     # -- the interface the runtime uses ------------------------------------------------------
     @property
@@ -84,22 +100,27 @@ class KVCache:
             if s.overflow is Overflow.ERROR:
                 raise ContextFull(f"context full: {int(self.lengths.max())} tokens cached, the window holds "
                                   f"{past_len}; export larger contexts or use the slide overflow policy")
-            self._num_dropped += np.where(over, self.lengths - past_len, 0)
-            self.lengths = np.minimum(self.lengths, past_len)
+            keep = self._kept_after_slide(past_len)
+            self._num_dropped += np.where(over, self.lengths - keep, 0)
+            self.lengths = np.where(over, keep, self.lengths)
         if (self.positions >= s.max_positions).any():
             raise ContextFull(f"context full: the model knows {s.max_positions} positions")
         self._make_room(past_len, ar)
         self._prepared_ar = ar
 
+    def _rows(self, tensor: int, seq: int) -> np.ndarray:
+        g, h = self.spec.coords(tensor)
+        return self._buf[g, seq, h]  # [rows, D]
+
     def window(self, tensor: int, seq: int, past_len: int) -> np.ndarray:
         """[1, 1, P, D] view: the graph's past input for one tensor and sequence."""
         end = int(self.ends[seq])
-        return self._buf[tensor, seq, end - past_len:end][None, None]
+        return self._rows(tensor, seq)[end - past_len:end][None, None]
 
     def slot(self, tensor: int, seq: int, ar: int) -> np.ndarray:
         """[1, 1, AR, D] view: where the graph writes its new rows."""
         end = int(self.ends[seq])
-        return self._buf[tensor, seq, end:end + ar][None, None]
+        return self._rows(tensor, seq)[end:end + ar][None, None]
 
     def window_addresses(self, past_len: int) -> np.ndarray:
         """[T, B] int64 addresses of every window, for the binding table."""
@@ -140,22 +161,25 @@ class KVCache:
         self._prepared_ar = 0
 
     def valid_block(self, seq: int) -> np.ndarray:
-        """[T, length, D] view of one sequence's committed rows, every tensor."""
+        """[T, length, D] of one sequence's committed rows, every tensor (a view for one-head buffers)."""
         end = int(self.ends[seq])
-        return self._buf[:, seq, end - int(self.lengths[seq]):end]
+        if self.spec.heads_per_buffer == 1:
+            return self._buf[:, seq, 0, end - int(self.lengths[seq]):end]
+        return self._buf[self._g, seq, self._h, end - int(self.lengths[seq]):end]
 
     def load(self, seq: int, rows: np.ndarray) -> None:
         """Make rows [T, n, D] an empty sequence's cache (a shared prompt's KV for several responses)."""
         num_rows = rows.shape[1]
         if self.lengths[seq] or num_rows > self.spec.max_past or rows.shape[0] != self.spec.num_tensors:
             raise ValueError(f"cannot load {rows.shape} rows into sequence {seq} of {self.spec}")
-        end = int(self.ends[seq])
-        self._buf[:, seq, end - num_rows:end] = rows
+        end = int(self.ends[seq]) + (num_rows if self._loads_forward else 0)
+        self._buf[self._g, seq, self._h, end - num_rows:end] = rows
         self.lengths[seq] = num_rows
+        self.ends[seq] = end
         self.stats.copied_rows += num_rows
         self.stats.copied_bytes += rows.nbytes
 
     def valid_rows(self, tensor: int, seq: int) -> np.ndarray:
         """[length, D] view of the committed rows (for tests and inspection)."""
         end = int(self.ends[seq])
-        return self._buf[tensor, seq, end - int(self.lengths[seq]):end]
+        return self._rows(tensor, seq)[end - int(self.lengths[seq]):end]

@@ -12,6 +12,7 @@ class Strategy(str, Enum):
     SHIFT = "shift"  # shift-left-and-append, a full window copy every token (AI Hub demo, genai's windowed cache)
     CONCAT = "concat"  # iterative allocation: a new, longer array every token (Hugging Face)
     BMC = "bmc"  # a new array with r spare rows every r tokens (Balancing Memory and Compute)
+    IN_PLACE = "in_place"  # the graph appends at row `length` itself (GroupQueryAttention): no windows, no copies
 
 
 class Overflow(str, Enum):
@@ -36,6 +37,9 @@ class KVSpec:
     batch: int = 1
     pad_values: tuple[float, ...] | None = None  # per tensor, what a never-written row holds (quantized KV: its
     # zero point, so padding dequantizes to 0 like the float cache's zeros); None: zeros
+    # KV heads stored together: 1 (a tensor per head), or num_kv_heads for the in-place layout, where each
+    # (layer, K|V) is one [B, Hkv, rows, D] buffer
+    heads_per_buffer: int = 1
 
     def __post_init__(self) -> None:
         if self.num_tensors < 1 or self.head_dim < 1 or self.max_past < 1 or self.max_ar < 1 or self.batch < 1:
@@ -44,6 +48,21 @@ class KVSpec:
             raise ValueError(f"the KV reserve factor must be > 1, got {self.reserve}")
         if self.pad_values is not None and len(self.pad_values) != self.num_tensors:
             raise ValueError(f"{len(self.pad_values)} pad values for {self.num_tensors} KV tensors")
+        if self.heads_per_buffer < 1 or (self.heads_per_buffer > 1 and self.num_tensors % (2 * self.heads_per_buffer)):
+            raise ValueError(f"{self.num_tensors} KV tensors do not group into buffers of {self.heads_per_buffer} heads")
+
+    @property
+    def num_buffers(self) -> int:
+        return self.num_tensors // self.heads_per_buffer
+
+    def coords(self, tensor: int) -> tuple[int, int]:
+        """Tensor index (layer, head, K then V) -> (buffer, head inside it); buffers are (layer, K then V)."""
+        h = self.heads_per_buffer
+        if h == 1:
+            return tensor, 0
+        layer, rest = divmod(tensor, 2 * h)
+        head, is_value = divmod(rest, 2)
+        return 2 * layer + is_value, head
 
     @property
     def itemsize(self) -> int:

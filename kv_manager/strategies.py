@@ -98,6 +98,31 @@ class ConcatCache(KVCache):
         self._set_buffer(self._new_buffer(self._initial_rows()))
 
 
+class InPlaceCache(KVCache):
+    """The in-place layout (GroupQueryAttention graphs): valid rows start at row 0 and the graph itself writes
+    each step's rows at row `length`, reading the real rows only. Appending costs nothing and there is no window
+    to move; the only copy is a slide, which moves the kept rows back to row 0. A slide therefore drops an
+    eighth of the window at once (one copy per max_past/8 tokens, not one per token)."""
+
+    _loads_forward = True
+
+    def _initial_rows(self) -> int:
+        return self.spec.max_past + self.spec.max_ar
+
+    def _initial_end(self) -> int:
+        return 0
+
+    def _kept_after_slide(self, past_len: int) -> int:
+        return past_len - max(1, past_len // 8)
+
+    def _make_room(self, past_len: int, ar: int) -> None:
+        for b in np.flatnonzero(self.ends != self.lengths).tolist():  # the oldest rows slid out
+            length = int(self.lengths[b])
+            self._move_rows(b, src=int(self.ends[b]) - length, dst=0, num_rows=length)
+            self.ends[b] = length
+            self.stats.num_compactions += 1
+
+
 def make_kv_cache(spec: KVSpec, strategy: Strategy = Strategy.POINTER, *, bmc_r: int | None = None) -> KVCache:
     strategy = Strategy(strategy)
     if strategy is Strategy.POINTER:
@@ -106,6 +131,8 @@ def make_kv_cache(spec: KVSpec, strategy: Strategy = Strategy.POINTER, *, bmc_r:
         return ShiftCache(spec)
     if strategy is Strategy.CONCAT:
         return ConcatCache(spec)
+    if strategy is Strategy.IN_PLACE:
+        return InPlaceCache(spec)
     if bmc_r is None:
         from .sizing import choose_bmc_r
 

@@ -33,13 +33,17 @@ def export_tiny(hf_dir, out: Path, **cpu_kw) -> Path:
 
 @pytest.fixture(scope="module")
 def cpu_families(tiny_hf_dir, tmp_path_factory) -> dict[str, Path]:
-    from staticlm.export.cpu_graph import WeightBits
+    """GroupQueryAttention (in-place KV, the default) families, and two with per-head windows."""
+    from staticlm.export.cpu_graph import CpuAttention, WeightBits
 
     root = tmp_path_factory.mktemp("tiny_cpu")
+    windows = CpuAttention.WINDOWS
     return {"int4": export_tiny(tiny_hf_dir, root / "int4"),
             "int8": export_tiny(tiny_hf_dir, root / "int8", bits=WeightBits.INT8),
             "int8_exact": export_tiny(tiny_hf_dir, root / "int8_exact", bits=WeightBits.INT8, accuracy_level=0),
-            "int4_exact": export_tiny(tiny_hf_dir, root / "int4_exact", accuracy_level=0)}
+            "int4_exact": export_tiny(tiny_hf_dir, root / "int4_exact", accuracy_level=0),
+            "windows": export_tiny(tiny_hf_dir, root / "windows", attention=windows),
+            "windows_exact": export_tiny(tiny_hf_dir, root / "windows_exact", accuracy_level=0, attention=windows)}
 
 
 def graphs(family: Path) -> list[Path]:
@@ -54,9 +58,11 @@ def engine(family: Path):
 
 
 # -- structure -------------------------------------------------------------------------------------------
-def test_every_linear_and_the_head_are_matmulnbits_and_the_embedding_shares_the_head(cpu_families, tiny_hf_model):
+@pytest.mark.parametrize("family", ["int4", "windows"])
+def test_every_linear_and_the_head_are_matmulnbits_and_the_embedding_shares_the_head(cpu_families, tiny_hf_model,
+                                                                                     family):
     cfg = tiny_hf_model.config
-    for path in graphs(cpu_families["int4"]):
+    for path in graphs(cpu_families[family]):
         model = onnx.load(str(path), load_external_data=False)
         ops = collections.Counter(n.op_type for n in model.graph.node)
         assert ops["MatMulNBits"] == 4 * cfg.num_hidden_layers + 1, path.name  # qkv, o, gate_up, down + head
@@ -76,8 +82,8 @@ def test_every_linear_and_the_head_are_matmulnbits_and_the_embedding_shares_the_
         assert inits[table].data_type == onnx.TensorProto.UINT8
 
 
-def test_past_kv_is_read_in_place_and_its_length_is_symbolic(cpu_families):
-    for path in graphs(cpu_families["int4"]):
+def test_past_windows_are_read_in_place_and_their_length_is_symbolic(cpu_families):
+    for path in graphs(cpu_families["windows"]):
         model = onnx.load(str(path), load_external_data=False)
         past = [i for i in model.graph.input if i.name.startswith("past_")]
         assert past and all(i.type.tensor_type.shape.dim[2].dim_param for i in past)
@@ -87,6 +93,30 @@ def test_past_kv_is_read_in_place_and_its_length_is_symbolic(cpu_families):
         # (copies) of the cache.
         assert set(readers) <= {"MatMul", "FusedMatMul", "Shape"} and readers["Shape"] <= 1, readers
         assert readers["MatMul"] + readers["FusedMatMul"] == len(past)  # one matmul per past tensor
+
+
+def test_gqa_graphs_append_to_their_buffers_in_place(cpu_families, tiny_hf_model):
+    cfg = tiny_hf_model.config
+    for path in graphs(cpu_families["int4"]):
+        model = onnx.load(str(path), load_external_data=False)
+        past = {i.name: i for i in model.graph.input if i.name.startswith("past_")}
+        present = {o.name: o for o in model.graph.output if o.name.startswith("present_")}
+        assert len(past) == len(present) == 2 * cfg.num_hidden_layers  # one buffer per (layer, K|V), all heads
+        for value in (*past.values(), *present.values()):
+            dims = value.type.tensor_type.shape.dim
+            assert dims[1].dim_value == cfg.num_key_value_heads and dims[2].dim_param == "kv_rows", value.name
+        gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+        assert len(gqa) == cfg.num_hidden_layers
+        for node in gqa:  # reads its own layer's buffers and writes them back under the present names
+            layer = node.output[1].rsplit("_", 1)[1]
+            assert node.input[3:5] == [f"past_key_{layer}", f"past_value_{layer}"]
+            assert list(node.output[1:]) == [f"present_key_{layer}", f"present_value_{layer}"]
+            assert node.input[16] == "query_seqlens" and node.input[9] == "position_ids"
+        readers = {n.op_type for n in model.graph.node for x in n.input if x in past}
+        assert readers == {"GroupQueryAttention"}  # nothing else touches (or copies) the cache
+        ops = collections.Counter(n.op_type for n in model.graph.node)
+        for absent in ("Softmax", "Tile", "Expand", "RotaryEmbedding", "Transpose"):  # all inside the fused op
+            assert ops[absent] == 0, (path.name, absent)
 
 
 def optimized(path: Path, tmp_path: Path) -> onnx.ModelProto:
@@ -99,15 +129,18 @@ def optimized(path: Path, tmp_path: Path) -> onnx.ModelProto:
     return onnx.load(so.optimized_model_filepath, load_external_data=False)
 
 
-def test_fused_cpu_ops_survive_ort_optimization(cpu_families, tiny_hf_model, tmp_path):
+@pytest.mark.parametrize("family", ["int4", "windows"])
+def test_fused_cpu_ops_survive_ort_optimization(cpu_families, tiny_hf_model, tmp_path, family):
     layers = tiny_hf_model.config.num_hidden_layers
     for name in ("decode_ar1.onnx", f"prefill_ar{TINY_PREFILL}.onnx"):
-        nodes = optimized(cpu_families["int4"] / name, tmp_path).graph.node
+        nodes = optimized(cpu_families[family] / name, tmp_path).graph.node
         ops = collections.Counter(n.op_type for n in nodes)
         # The one Tile repeats the small mask for the grouped query rows, never KV.
         assert all(n.input[0] == "attention_bias" for n in nodes if n.op_type in ("Tile", "Expand"))
         assert ops["SkipSimplifiedLayerNormalization"] == 2 * layers and ops["SimplifiedLayerNormalization"] == 1
-        assert ops["RotaryEmbedding"] == 2 * layers
+        # RoPE: one op for the query heads and one for the KV heads, or inside GroupQueryAttention
+        assert (ops["RotaryEmbedding"], ops["GroupQueryAttention"]) == ((0, layers) if family == "int4" else
+                                                                        (2 * layers, 0))
         assert ops["QuickGelu"] == layers  # silu
         assert ops["MatMulNBits"] == 4 * layers + 1 and ops["GatherBlockQuantized"] == 1
         for unfused in ("Pow", "ReduceMean", "Sqrt", "Neg", "Sigmoid"):
@@ -177,7 +210,7 @@ def token_ids() -> np.ndarray:
     return np.random.default_rng(7).integers(0, 256, 50)
 
 
-@pytest.mark.parametrize("name", ["int8_exact", "int4_exact"])
+@pytest.mark.parametrize("name", ["int8_exact", "int4_exact", "windows_exact"])
 def test_graph_math_is_exact_on_its_own_dequantized_weights(cpu_families, tiny_hf_model, token_ids, name):
     # accuracy_level 0 (float activations): the only difference from transformers is summation order
     # (measured 5e-7 relative); leaving out the correction rows alone costs 2e-3.
@@ -207,7 +240,7 @@ def test_every_ladder_rung_gives_the_largest_windows_logits(cpu_families, tiny_h
     import onnxruntime as ort
 
     cfg = tiny_hf_model.config
-    family = cpu_families["int4"]
+    family = cpu_families["windows"]
     session = ort.InferenceSession(str(family / "decode_ar1.onnx"), providers=["CPUExecutionProvider"])
     prompt = np.random.default_rng(3).integers(0, 256, (1, 9))
     _, cache = hf_step(tiny_hf_model, prompt, None)
@@ -222,16 +255,18 @@ def test_every_ladder_rung_gives_the_largest_windows_logits(cpu_families, tiny_h
         np.testing.assert_allclose(got, largest, atol=1e-4, err_msg=f"P={p}")
 
 
-def test_batched_and_speculative_decoding_reproduce_plain_decoding(cpu_families):
-    # The batch-4 graph (per-sequence windows) and the verify graphs (AR=4 rows on the ladder) run the same
-    # math as the AR=1 graph: same logits per sequence, same greedy tokens with prompt-lookup drafts.
+@pytest.mark.parametrize("name", ["int4", "windows"])
+def test_batched_and_speculative_decoding_reproduce_plain_decoding(cpu_families, name):
+    # The batch-4 graph (per-sequence windows, or ragged lengths in one in-place buffer) and the verify graphs
+    # (AR=4 rows, right-padded) run the same math as the AR=1 graph: same logits per sequence, same greedy
+    # tokens with prompt-lookup drafts.
     from staticlm.apps.common import open_tokenizer
     from staticlm.runtime.drafters import PromptLookupDrafter
     from staticlm.runtime.engine import Engine
     from staticlm.runtime.generator import GenerationParams, Generator
     from staticlm.runtime.speculative import Speculator
 
-    family = cpu_families["int4"]
+    family = cpu_families[name]
     prompt = np.random.default_rng(5).integers(0, 256, 11)
     single = engine(family)
     single.prefill(prompt)
@@ -264,6 +299,15 @@ def test_weight_bits_3_is_a_one_line_error(tiny_hf_dir, tmp_path):
     assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "--weight-bits" in lines[0] and "3" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_window_strategy_on_an_in_place_family_is_a_one_line_error(cpu_families):
+    proc = subprocess.run([sys.executable, "-m", "staticlm.apps.cli", "generate", "--model", str(cpu_families["int4"]),
+                           "--prompt", "hi", "--kv-strategy", "shift", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "in place" in lines[0] and "--cpu-attention windows" in lines[0]
 
 
 # -- SmolLM2 ---------------------------------------------------------------------------------------------

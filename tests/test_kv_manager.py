@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from staticlm.kv_manager import (MASK_VALUE, ContextFull, KVSpec, Overflow, Strategy, attention_bias,
                                  choose_bmc_r, dequantize_bias, kv_bytes, make_kv_cache, quantize_bias)
 
-ALL = list(Strategy)
+ALL = [s for s in Strategy if s is not Strategy.IN_PLACE]  # the window strategies
 
 
 class NaiveKV:
@@ -94,6 +94,68 @@ def test_windows_match_naive_reference(strategy, reserve, batch, ops, seed):
             ref = NaiveKV(batch)
             cache.prepare(past_len=spec.max_past, ar=1)
             _check(cache, ref, spec.max_past)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 3), heads=st.sampled_from([1, 2]), ops=ops, seed=st.integers(0, 2**16))
+def test_in_place_rows_match_naive_reference(batch, heads, ops, seed):
+    # The in-place layout: [B, H, rows, D] buffers per (layer, K|V); the graph (here: this test) writes each
+    # step's rows at row `length` of every buffer, and the committed rows always start at row 0.
+    rng = np.random.default_rng(seed)
+    spec = _spec(num_tensors=2 * 2 * heads, batch=batch, overflow=Overflow.SLIDE, heads_per_buffer=heads)
+    cache, ref = make_kv_cache(spec, Strategy.IN_PLACE), NaiveKV(batch)
+    num_slides = 0
+
+    def slide() -> None:  # what prepare does first: a sequence over the window keeps its newest max_past * 7/8 rows
+        nonlocal num_slides
+        for b in range(batch):
+            if len(ref.rows[b]) > spec.max_past:
+                drop = len(ref.rows[b]) - (spec.max_past - spec.max_past // 8)
+                ref.dropped[b] += drop
+                del ref.rows[b][:drop]
+                num_slides += 1
+
+    for op, x in ops:
+        if op == "step":
+            ar = 1 + x % spec.max_ar
+            slide()
+            cache.prepare(past_len=spec.max_past, ar=ar)
+            commits = [int(v) for v in rng.integers(0, ar + 1, batch)]
+            buffers = cache.buffers()
+            for b in range(batch):
+                length = int(cache.lengths[b])
+                new = rng.standard_normal((spec.num_tensors, ar, spec.head_dim)).astype(np.float32)
+                for t in range(spec.num_tensors):
+                    g, h = layer_kv_head(t, heads)
+                    buffers[g][b, h, length:length + ar] = new[t]  # what GroupQueryAttention's present output does
+                    assert np.shares_memory(cache.slot(t, b, ar), buffers[g][b, h, length:length + ar])
+                ref.rows[b] += [new[:, i] for i in range(commits[b])]
+            cache.advance(np.array(commits))
+        elif op == "truncate":
+            b = x % batch
+            keep = x % (int(cache.lengths[b]) + 1)
+            cache.truncate(keep, seq=b)
+            del ref.rows[b][keep:]
+        else:
+            cache.reset()
+            ref = NaiveKV(batch)
+        slide()
+        cache.prepare(past_len=spec.max_past, ar=1)
+        for b in range(batch):
+            assert int(cache.ends[b]) == int(cache.lengths[b]) == len(ref.rows[b])  # rows start at row 0
+            assert int(cache.positions[b]) == len(ref.rows[b]) + ref.dropped[b]
+            for t in range(spec.num_tensors):
+                want = np.array([row[t] for row in ref.rows[b]]).reshape(-1, spec.head_dim)
+                np.testing.assert_array_equal(cache.valid_rows(t, b), want)
+    assert cache.stats.num_allocations == 1
+    if num_slides == 0:
+        assert cache.stats.copied_rows == 0  # appending never copies
+
+
+def layer_kv_head(tensor: int, heads: int) -> tuple[int, int]:
+    """kv_tensor_index order (layer, head, K then V) -> (buffer = 2 layer + V, head), written out independently."""
+    layer, head, is_value = tensor // (2 * heads), (tensor // 2) % heads, tensor % 2
+    return 2 * layer + is_value, head
 
 
 @pytest.mark.parametrize("strategy", ALL)
