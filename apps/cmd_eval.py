@@ -22,6 +22,16 @@ def _greedy_answer(engine: Engine, prompt: str) -> str:
     return "".join(session.send(prompt, GenerationParams(max_new_tokens=ANSWER_TOKENS))).strip()
 
 
+def _precision(engine: Engine) -> str:
+    """w8a16 / w4a16 / kv for HTP families, int4 (head int8) for CPU ones, else float."""
+    if engine.manifest.quantization:
+        return engine.manifest.quantization.get("quant", "quantized")
+    weights = (engine.manifest.extra or {}).get("weights")
+    if weights and weights.get("format") == "MatMulNBits":
+        return f"int{weights['bits']} (head int{weights['head_bits']})"
+    return "float"
+
+
 def run_eval(*, model: Path, reference: Path | None, text: Path | None, max_tokens: int | None, num_answers: int,
              device: str, as_json: bool) -> int:
     options = EngineOptions(device=DeviceOptions(device=parse_device(device)))
@@ -32,9 +42,8 @@ def run_eval(*, model: Path, reference: Path | None, text: Path | None, max_toke
         raise ValueError(f"{model} and {reference} are not the same model architecture")
     ids = open_tokenizer(model).encode(held_out_text(text), add_special_tokens=False)
     result = compare(engine, ref, ids, max_tokens=max_tokens)
-    quant = engine.manifest.quantization or {}
     answers = [(p, _greedy_answer(ref, p), _greedy_answer(engine, p)) for p in ANSWER_PROMPTS[:num_answers]]
-    summary = {"model": str(model), "quant": quant.get("quant", "float"), "kv_dtype": engine.manifest.kv_dtype,
+    summary = {"model": str(model), "quant": _precision(engine), "kv_dtype": engine.manifest.kv_dtype,
                "tokens": result.num_tokens, "top1_agreement": result.agreement, "ppl": result.ppl_model,
                "ppl_reference": result.ppl_reference, "ppl_change": result.ppl_change,
                "answers": [{"prompt": p, "reference": a, "model": b} for p, a, b in answers]}

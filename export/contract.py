@@ -133,11 +133,13 @@ def buffer_name(role: Role, layer: int) -> str:
     return f"{role.value}_{layer}"
 
 
-def in_place_graph_io(config: ModelConfig, shape: GraphShape) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def in_place_graph_io(config: ModelConfig, shape: GraphShape, *, last_logits_only: bool = False
+                      ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Inputs and outputs of a KVLayout.IN_PLACE graph; buffers in (layer, K then V) order.
 
     The buffers' row count is the kv_manager's capacity (symbolic in the graph file); the manifest records the
-    graph's context there.
+    graph's context there. last_logits_only: logits [B, 1, V] of each sequence's last real row (a prompt
+    chunk needs no other; the head is a fifth of SmolLM2's weights, so scoring 64 rows costs ~20 % of a chunk).
     """
     b, ar, d, hkv = shape.batch, shape.ar, config.head_dim, config.num_kv_heads
     inputs = [
@@ -147,7 +149,8 @@ def in_place_graph_io(config: ModelConfig, shape: GraphShape) -> tuple[tuple[Ten
         TensorSpec("total_sequence_length", Role.TOTAL_LENGTH, "int32", ()),
         TensorSpec("query_seqlens", Role.QUERY_LENGTHS, "int32", (b,)),
     ]
-    outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, ar, config.vocab_size))]  # [B, AR, V]
+    logit_rows = 1 if last_logits_only else ar
+    outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, logit_rows, config.vocab_size))]  # [B, AR|1, V]
     for layer in range(config.num_layers):
         for past, present in ((Role.PAST_KEY, Role.PRESENT_KEY), (Role.PAST_VALUE, Role.PRESENT_VALUE)):
             rows = (b, hkv, shape.context, d)  # [B, Hkv, C, D]

@@ -54,14 +54,18 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             if file not in largest or shape.past_len > largest[file][1].past_len:
                 largest[file] = (kind, shape)
         hashes = {}
-        for file, (_kind, shape) in largest.items():
-            proto = CpuLlamaGraph(config, shape, weights=writer, options=cpu).build(Path(file).stem)
+        for file, (kind, shape) in largest.items():
+            last_only = _last_logits_only(cpu=cpu, kind=kind, shape=shape, prefill_len=options.prefill_len)
+            proto = CpuLlamaGraph(config, shape, weights=writer, options=cpu,
+                                  last_logits_only=last_only).build(Path(file).stem)
             onnx.save_model(proto, work / file)
             hashes[file] = file_sha256(work / file)
             step(file)
         entries = []
         for name, kind, shape in shapes:
-            inputs, outputs = (in_place_graph_io if cpu.attention is CpuAttention.GQA else graph_io)(config, shape)
+            last_only = _last_logits_only(cpu=cpu, kind=kind, shape=shape, prefill_len=options.prefill_len)
+            inputs, outputs = (in_place_graph_io(config, shape, last_logits_only=last_only)
+                               if cpu.attention is CpuAttention.GQA else graph_io(config, shape))
             file = graph_file(kind, shape)
             entries.append(GraphEntry(name=name, file=file, kind=kind, shape=shape, inputs=inputs, outputs=outputs,
                                       sha256=hashes[file]))
@@ -78,6 +82,11 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
         shutil.rmtree(work, ignore_errors=True)
         raise
     return manifest
+
+
+def _last_logits_only(*, cpu: CpuOptions, kind: GraphKind, shape: GraphShape, prefill_len: int) -> bool:
+    """The in-place prompt-chunk graph scores its last row only; verify graphs (shorter ARs) score every row."""
+    return cpu.attention is CpuAttention.GQA and kind is GraphKind.PREFILL and shape.ar == prefill_len
 
 
 def num_cpu_steps(options: ExportOptions) -> int:

@@ -19,7 +19,7 @@ from enum import Enum, IntEnum
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from .config import ModelConfig
 from .contract import KV_INPUT_ROLES, KVLayout, Role, graph_io, in_place_graph_io, kv_name
@@ -71,11 +71,17 @@ class CpuOptions:
     # Extra K rows undoing each block's mean rounding error (cpu_quant.py): with them SmolLM2's 4-bit layers
     # agree with float on 95.5 % of top-1 tokens instead of 74.5 % (head at 8 bits both times).
     block_correction: bool = True
+    # Which layer linears carry them (kinds of `l{i}.{kind}`); each costs a MatMul and a Concat per layer.
+    # All four are worth it (SmolLM2, eval text, agreement / engine decode tok/s at context 60, 2 threads):
+    # none 72.3 % / 149; qkv+gate_up 83.1 % / 131; qkv+o+gate_up 84.1 % / 125; +down instead of o 93.3 % / 125;
+    # all 95.5 % / 120.
+    corrected: frozenset[str] = frozenset({"qkv", "o", "gate_up", "down"})
     attention: CpuAttention = CpuAttention.GQA
 
-    def corrects(self, k: int) -> bool:
-        """Whether a layer weight with K inputs carries correction rows (they must start a new block)."""
-        return self.block_correction and k % self.block_size == 0
+    def corrects(self, weight: str, k: int) -> bool:
+        """Whether layer weight `l{i}.{kind}` with K inputs carries correction rows (they must start a new block)."""
+        kind = weight.split(".", 1)[-1]
+        return self.block_correction and kind in self.corrected and k % self.block_size == 0
 
     @property
     def head(self) -> WeightBits:
@@ -88,6 +94,7 @@ class CpuOptions:
     def to_dict(self) -> dict:
         return {"format": "MatMulNBits", "bits": int(self.bits), "head_bits": int(self.head),
                 "block_size": self.block_size, "block_correction": self.block_correction,
+                "corrected": sorted(self.corrected) if self.block_correction else [],
                 "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
                 "accuracy_level": self.accuracy_level, "attention": self.attention.value}
 
@@ -129,7 +136,7 @@ def write_cpu_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: We
             writer.add(name, np.asarray(array, np.float32))  # norms (and biases) stay float
             continue
         quant = quantizer(name)
-        if name != "head_t" and options.corrects(array.shape[0]):
+        if name != "head_t" and options.corrects(name, array.shape[0]):
             array = quant.corrected(array)  # [K + correction_rows, N]
         packed, scales, zero_points = quant.quantize(array)
         writer.add(f"{name}.q", packed)
@@ -143,9 +150,11 @@ def write_cpu_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: We
 
 
 class CpuLlamaGraph(LlamaGraph):
-    def __init__(self, config: ModelConfig, shape, *, weights: WeightFileWriter, options: CpuOptions) -> None:
+    def __init__(self, config: ModelConfig, shape, *, weights: WeightFileWriter, options: CpuOptions,
+                 last_logits_only: bool = False) -> None:
         super().__init__(config, shape, weights=weights)
         self.options = options
+        self.last_logits_only = last_logits_only  # in-place prompt graphs: see in_place_graph_io
         self._writer = weights
         self._split_sizes: str | None = None  # [P, AR] for split_probs, built on first use
 
@@ -162,7 +171,7 @@ class CpuLlamaGraph(LlamaGraph):
 
     def linear(self, x: str, weight: str) -> str:
         k, n = self._float_shape(weight)
-        if self.options.corrects(k):  # x -> [x, block sums of x] for the correction rows
+        if self.options.corrects(weight, k):  # x -> [x, block sums of x] for the correction rows
             block = self.options.block_size
             sums = self.g.op("MatMul", x, self.g.const(block_sum_matrix(k, block), np.float32))  # [.., K/block]
             x = self.g.op("Concat", x, sums, axis=-1)
@@ -216,10 +225,18 @@ class CpuLlamaGraph(LlamaGraph):
     def build(self, name: str) -> onnx.ModelProto:
         g, c, s = self.g, self.c, self.s
         gqa = self.options.attention is CpuAttention.GQA
-        inputs, outputs = (in_place_graph_io if gqa else graph_io)(c, s)
+        if self.last_logits_only and not gqa:
+            raise ValueError("last-row logits need the in-place layout (its query_seqlens input)")
+        inputs, outputs = (in_place_graph_io(c, s, last_logits_only=self.last_logits_only) if gqa
+                           else graph_io(c, s))
         h = (gqa_decoder if gqa else windows_decoder)(self, self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
-        h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))
-        g.op("Reshape", self.lm_head(h), g.const([s.batch, s.ar, c.vocab_size]), outputs=[Role.LOGITS.value])
+        h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))  # [B AR, hidden]
+        rows = s.ar
+        if self.last_logits_only:  # row b AR + query_seqlens[b] - 1 of each sequence b
+            last = g.op("Sub", g.op("Cast", Role.QUERY_LENGTHS.value, to=TensorProto.INT64), g.const([1], np.int64))
+            h = g.op("Gather", h, g.op("Add", last, g.const(np.arange(s.batch) * s.ar, np.int64)), axis=0)
+            rows = 1
+        g.op("Reshape", self.lm_head(h), g.const([s.batch, rows, c.vocab_size]), outputs=[Role.LOGITS.value])
         model = g.model(name=name, inputs=inputs, outputs=outputs,
                         doc=f"staticlm {name} (cpu): AR={s.ar}, P<={s.past_len}, S={s.context}")
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))

@@ -8,7 +8,7 @@ from enum import Enum
 from pathlib import Path
 
 from .config import ModelConfig
-from .contract import GraphShape, KVLayout, TensorSpec, num_kv_tensors
+from .contract import GraphShape, KVLayout, Role, TensorSpec, num_kv_tensors
 
 MAGIC = "staticlm-family"
 # 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target)
@@ -37,6 +37,11 @@ class GraphEntry:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     sha256: str
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits per sequence: AR, or 1 for a prompt graph that scores its last real row only."""
+        return next(s.shape[1] for s in self.outputs if s.role is Role.LOGITS)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "file": self.file, "kind": self.kind.value,

@@ -68,7 +68,9 @@ class Engine:
         self.max_context = self._decode[-1].shape.context
         self.prefill_len = max((g.shape.ar for g in multi), default=1)
         self._prefill = tuple(g for g in multi if g.shape.ar == self.prefill_len)  # prompt chunks
-        # Every AR=N graph can verify drafts; by AR, each a ladder sorted by past length.
+        # Every AR=N graph that scores all its rows can verify drafts (and score a text); by AR, each a ladder
+        # sorted by past length. An in-place family's prompt graph scores its last row only.
+        multi = tuple(g for g in multi if g.logit_rows == g.shape.ar)
         self.verify_lens = tuple(sorted({g.shape.ar for g in multi}))
         self._verify = {ar: tuple(g for g in multi if g.shape.ar == ar) for ar in self.verify_lens}
         # A quantized family's first token runs alone in a graph with its own activation ranges
@@ -134,7 +136,7 @@ class Engine:
             self.kv.advance(0)
 
     def load_all(self) -> None:
-        for entry in (*self._decode, *(g for ladder in self._verify.values() for g in ladder)):
+        for entry in (*self._decode, *self._prefill, *(g for ladder in self._verify.values() for g in ladder)):
             self.runner(entry)
 
     def _rung(self, graphs: tuple[GraphEntry, ...], num_valid: int) -> GraphEntry:
@@ -194,7 +196,7 @@ class Engine:
         """Run and commit every real row; the last real token's logits [V]."""
         logits = self._run(entry, tokens)
         self.kv.advance(len(tokens))
-        return logits[0, len(tokens) - 1]
+        return logits[0, len(tokens) - 1 if entry.logit_rows > 1 else 0]
 
     def verify_len(self, num_tokens: int) -> int | None:
         """The smallest exported AR that takes num_tokens rows at the current length (None: none fits)."""
@@ -281,12 +283,13 @@ class Engine:
         ids = np.asarray(token_ids, dtype=np.int64)
         self.check_room(ids.size)
         out = np.empty((ids.size, self.config.vocab_size), np.float32)  # once per call, not per token
+        scoring = self._verify[self.verify_lens[-1]] if self.verify_lens else ()  # the longest all-rows AR
         start = 0
         if self._sink and self.num_cached == 0 and ids.size:
             out[0], start = self._step(self._sink[0], ids[:1]), 1
         while start < ids.size:
-            fits = self._prefill and self.num_cached <= self._prefill[-1].shape.past_len
-            graphs = self._prefill if fits and ids.size - start > 1 else self._decode
+            fits = scoring and self.num_cached <= scoring[-1].shape.past_len
+            graphs = scoring if fits and ids.size - start > 1 else self._decode
             entry = self._rung(graphs, self.num_cached)
             chunk = ids[start:start + entry.shape.ar]
             out[start:start + chunk.size] = self._run(entry, chunk)[0, :chunk.size]
