@@ -52,6 +52,24 @@ def _penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.
     return out
 
 
+NUCLEUS_PROBES = (256, 4096)  # top-p first looks among this many of the likeliest tokens, then this many
+NUCLEUS_PROBE = NUCLEUS_PROBES[0]
+
+
+def _nucleus_superset(probs: np.ndarray, *, top_p: float) -> np.ndarray:
+    """A mask of the tokens at least as likely as the k-th likeliest, for the first k of NUCLEUS_PROBES whose
+    mass reaches top_p (else all). The nucleus is a prefix of the sorted order, so it lies inside (ties at the
+    boundary come along), and only those tokens need sorting: sorting SmolLM2's 49,152 took 3-7 ms a token.
+    """
+    for k in NUCLEUS_PROBES:
+        if k >= probs.size:
+            break
+        likely = probs >= np.partition(probs, probs.size - k)[probs.size - k]
+        if probs[likely].sum() >= top_p:
+            return likely
+    return np.ones(probs.size, bool)
+
+
 def _filtered(logits: np.ndarray, params: SamplingParams,
               history: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | int:
     """The candidate ids and their probabilities after every warper, or the token when greedy."""
@@ -73,11 +91,14 @@ def _filtered(logits: np.ndarray, params: SamplingParams,
     top = values.max()
     if not np.isfinite(top):  # everything masked to -inf (or NaN): nothing to sample from
         return greedy(scores)
-    if params.top_p < 1.0 or len(candidates) < vocab:
-        order = np.argsort(-values, kind="stable")  # ties: lower token id first, as argmax
-        candidates, values = candidates[order], values[order]
     probs = np.exp(values - top)  # stable softmax: the largest exponent is 0
     probs /= probs.sum()
+    if params.top_p < 1.0 and len(candidates) > NUCLEUS_PROBE:
+        likely = _nucleus_superset(probs, top_p=params.top_p)
+        candidates, values, probs = candidates[likely], values[likely], probs[likely]
+    if params.top_p < 1.0 or len(candidates) < vocab:
+        order = np.argsort(-values, kind="stable")  # ties: lower token id first, as argmax
+        candidates, values, probs = candidates[order], values[order], probs[order]
     keep = len(probs)
     if params.top_p < 1.0:
         # The smallest prefix whose mass reaches top_p; always at least the most likely token.

@@ -10,6 +10,7 @@ With greedy sampling p is one-hot, so this is exact-match and the output equals 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -77,6 +78,54 @@ def fit_to_verify_graphs(num_draft: int, verify_lens: tuple[int, ...]) -> int:
     return max(fitting) if fitting else num_draft
 
 
+@dataclass
+class AcceptanceProfile:
+    """How often draft position i was offered (every earlier one accepted) and accepted, over past steps.
+
+    Prompt-lookup drafts are right for a run of tokens or wrong from the start, which one acceptance rate
+    (the geometric model) undervalues for long drafts and overvalues for short ones. The product of the
+    per-position rates (Laplace-smoothed) gives the expected accepted length of a k-token draft instead.
+    """
+    offered: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    decay: float = 0.9  # per step: the last ~10 steps count, so a change of task (rewrite -> chat) shows soon
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.offered = [n * self.decay for n in self.offered] + [0.0] * max(0, num_drafted - len(self.offered))
+        self.accepted = [n * self.decay for n in self.accepted] + [0.0] * max(0, num_drafted - len(self.accepted))
+        for i in range(min(num_accepted + 1, num_drafted)):
+            self.offered[i] += 1
+        for i in range(num_accepted):
+            self.accepted[i] += 1
+
+    def expected_tokens(self, num_draft: int) -> float:
+        """Tokens a step yields with num_draft drafts: the accepted ones plus the one the verify row adds."""
+        total, survive, rate = 1.0, 1.0, 0.5
+        for i in range(num_draft):
+            if i < len(self.offered):  # positions never offered keep the last rate seen
+                rate = (self.accepted[i] + 1) / (self.offered[i] + 2)
+            survive *= rate
+            total += survive
+        return total
+
+
+def cost_aware_length(profile: AcceptanceProfile, *, max_draft: int, verify_lens: tuple[int, ...],
+                      cost_ratio: Callable[[int], float | None]) -> int:
+    """Of the full drafts the verify graphs take (AR - 1) up to max_draft (BASS's length), the one with the most
+    expected tokens per decode step's worth of time (on a 2-core CPU a multi-row step is compute-bound: AR=4
+    costs ~1.7 decode steps, AR=16 ~5). A graph never timed yet is tried first, so every cost gets measured."""
+    lengths = [ar - 1 for ar in verify_lens if ar - 1 <= max_draft] or [max_draft]
+    best, best_rate = lengths[-1], -1.0
+    for k in lengths:
+        cost = cost_ratio(k + 1)
+        if cost is None:
+            return k
+        rate = profile.expected_tokens(k) / cost
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 def speculation_pays(cost_ratio: float | None, *, acceptance: float, num_draft: int) -> bool:
     """Expected tokens per verify step, (1 - a^(k+1)) / (1 - a), against its measured cost in decode steps."""
     if cost_ratio is None:
@@ -110,11 +159,11 @@ def accept_draft(logits: np.ndarray, draft: list[int], proposals: list[np.ndarra
 class Speculator:
     """Drafts, verifies, accepts; and only speculates while it pays.
 
-    A verify step costs more than a decode step (here AR=8 is ~1.5x), so drafts that are rarely
-    accepted (open chat with prompt lookup) would make decoding slower. The expected tokens per step
-    under the running acceptance rate a, (1 - a^(k+1)) / (1 - a), is weighed against the measured cost
-    ratio of the verify graph; when it does not pay, plain decoding runs and a probe every
-    `probe_every` steps keeps the estimate fresh.
+    A verify step costs more than a decode step (SmolLM2 on 2 CPU cores: AR=4 1.7x, AR=8 2.9x), so drafts
+    that are rarely accepted (open chat with prompt lookup) would make decoding slower. The draft length is
+    BASS's, cut to the verify graph with the most expected tokens per unit of measured cost (AcceptanceProfile);
+    when even that does not pay, plain decoding runs and a probe every `probe_every` steps keeps the
+    estimate fresh.
     """
 
     def __init__(self, drafter: Drafter, *, length: DraftLength | None = None, probe_every: int = 8) -> None:
@@ -122,12 +171,12 @@ class Speculator:
         self.length = length or DraftLength()
         self.stats = SpeculationStats()
         self.probe_every = probe_every
-        self._acceptance = 0.6  # prior: optimistic, so speculation gets tried
         self._num_skipped = 0
+        self.profile = AcceptanceProfile()  # its prior (rate 1/2 everywhere) lets speculation be tried
 
     def _pays(self, engine, num_draft: int) -> bool:
-        return speculation_pays(engine.verify_cost_ratio(engine.verify_len(num_draft + 1)),
-                                acceptance=self._acceptance, num_draft=num_draft)
+        cost = engine.verify_cost_ratio(engine.verify_len(num_draft + 1))
+        return cost is None or self.profile.expected_tokens(num_draft) > cost
 
     def step(self, gen: Generator, params: SamplingParams) -> list[int] | None:
         """One draft-and-verify step after gen's pending token; the new tokens, or None to decode plainly."""
@@ -136,6 +185,9 @@ class Speculator:
             return None
         context = gen.tokens + [last]
         max_draft = fit_to_verify_graphs(self.length.current, engine.verify_lens)
+        if not self.length.fixed:
+            max_draft = cost_aware_length(self.profile, max_draft=max_draft, verify_lens=engine.verify_lens,
+                                          cost_ratio=engine.verify_cost_ratio)
         draft, proposals = self.drafter.propose(context, max_draft, params=params, rng=gen.rng)
         while draft and engine.verify_len(len(draft) + 1) is None:
             draft = draft[:-1]  # near the end of the ladder a shorter verify graph may still fit
@@ -150,7 +202,7 @@ class Speculator:
         engine.commit(1 + len(accepted))
         gen.commit_speculated(last, accepted, nxt)
         self.length.update(len(accepted), len(draft))
-        self._acceptance = 0.8 * self._acceptance + 0.2 * len(accepted) / len(draft)
+        self.profile.record(len(draft), len(accepted))
         self.stats.num_steps += 1
         self.stats.num_drafted += len(draft)
         self.stats.num_accepted += len(accepted)

@@ -69,6 +69,29 @@ def test_draft_length_maps_onto_the_exported_verify_graphs():
     assert policy.current == 11
 
 
+def test_acceptance_profile_counts_runs_and_the_length_follows_the_measured_costs():
+    from staticlm.runtime.speculative import AcceptanceProfile, cost_aware_length
+
+    runs = AcceptanceProfile(decay=1.0)
+    for _ in range(20):  # drafts right for a run of 7 or wrong from the first token, half the time each
+        runs.record(7, 7)
+        runs.record(7, 0)
+    # position 0 accepted 20 of 40 times, positions 1-6 every time they were offered: 1 + 21/42 * (1 + ... )
+    want = 1 + sum((21 / 42) * (21 / 22) ** j for j in range(7))
+    assert abs(runs.expected_tokens(7) - want) < 1e-12
+    assert runs.expected_tokens(3) < runs.expected_tokens(7) < 1 + 7
+
+    lens = (4, 8, 16)
+    cpu = {4: 1.7, 8: 2.9, 16: 5.1}.get  # verify cost in decode steps, as measured on 2 CPU cores
+    npu = {4: 1.05, 8: 1.1, 16: 1.2}.get  # nearly flat: the weights are read once whatever the rows
+    assert cost_aware_length(runs, max_draft=15, verify_lens=lens, cost_ratio=cpu) == 3  # 2.4/1.7 beats 4.2/2.9
+    # positions never offered keep the last rate seen (BASS's optimism: a fully accepted draft grows)
+    assert cost_aware_length(runs, max_draft=15, verify_lens=lens, cost_ratio=npu) == 15
+    assert cost_aware_length(runs, max_draft=9, verify_lens=lens, cost_ratio=npu) == 7  # BASS's length caps it
+    assert cost_aware_length(runs, max_draft=7, verify_lens=lens, cost_ratio=lambda ar: None) == 3  # time it first
+    assert cost_aware_length(runs, max_draft=2, verify_lens=lens, cost_ratio=cpu) == 2  # below every graph
+
+
 def test_prompt_lookup_copies_what_followed_the_last_match():
     drafter = PromptLookupDrafter(max_ngram=2)
     rng = np.random.default_rng(0)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from conftest import CHATML, TINY_SPECIALS, tiny_tokenizer_json
 from staticlm.runtime.chat_template import DEFAULT_CHATML, ChatTemplateError, Message, render_chat
-from staticlm.runtime.sampling import SamplingParams, greedy, sample
+from staticlm.runtime.sampling import SamplingParams, distribution, greedy, sample
 from staticlm.runtime.stopping import StopStringMatcher
 
 BOS, EOS = 259, 258  # "<s>" and "<|im_end|>" in the tiny tokenizer
@@ -239,6 +239,36 @@ def test_top_k_top_p_min_p_restrict_the_candidates():
     assert np.allclose(nucleus, [0, 0, 0, 0.375, 0.625], atol=0.02)  # 0.5 + 0.3 is the first to reach 0.75
     floor = _frequencies(logits, SamplingParams(temperature=1.0, min_p=0.19), draws=8000)
     assert np.allclose(floor, [0, 0, 0.1 / 0.9, 0.3 / 0.9, 0.5 / 0.9], atol=0.02)  # keeps p >= 0.095
+
+
+def _naive_nucleus(logits: np.ndarray, *, temperature: float, top_p: float) -> np.ndarray:
+    """Every token sorted (likeliest first, ties by id), the shortest prefix reaching top_p, renormalised."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = sorted(range(len(p)), key=lambda i: (-z[i], i))
+    mass, keep = 0.0, []
+    for i in order:
+        keep.append(i)
+        mass += p[i]
+        if mass >= top_p:
+            break
+    out = np.zeros(len(p))
+    out[keep] = p[keep] / p[keep].sum()
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([300, 5000, 49152]), st.floats(0.05, 30.0),
+       st.floats(0.3, 2.0), st.floats(0.05, 0.999))
+def test_top_p_over_a_large_vocabulary_keeps_the_sorted_nucleus(seed, vocab, spread, temperature, top_p):
+    # Large vocabularies take the partial path (only the likeliest tokens are sorted): it must keep exactly the
+    # nucleus a full sort gives, from peaked (spread 30) to nearly flat (spread 0.05) logits.
+    logits = (np.random.default_rng(seed).standard_normal(vocab) * spread).astype(np.float32)
+    got = distribution(logits, SamplingParams(temperature=temperature, top_p=top_p))
+    want = _naive_nucleus(logits, temperature=temperature, top_p=top_p)
+    assert np.array_equal(got > 0, want > 0)
+    assert np.allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
 def test_seeded_sampling_is_reproducible():
