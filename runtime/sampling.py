@@ -52,7 +52,7 @@ def _penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.
     return out
 
 
-NUCLEUS_PROBES = (256, 4096)  # top-p first looks among this many of the likeliest tokens, then this many
+NUCLEUS_PROBES = (1024, 8192)  # top-p first looks among this many of the likeliest tokens, then this many
 NUCLEUS_PROBE = NUCLEUS_PROBES[0]
 
 
@@ -85,17 +85,20 @@ def _filtered(logits: np.ndarray, params: SamplingParams,
     if 0 < params.top_k < vocab:
         # argpartition is O(V); only the k survivors are ever sorted.
         candidates = np.sort(np.argpartition(scores, vocab - params.top_k)[vocab - params.top_k:])
+        values = scores[candidates]
     else:
-        candidates = np.arange(vocab)
-    values = scores[candidates]
+        candidates, values = None, scores  # every token, in id order (materialised only if needed)
     top = values.max()
     if not np.isfinite(top):  # everything masked to -inf (or NaN): nothing to sample from
         return greedy(scores)
     probs = np.exp(values - top)  # stable softmax: the largest exponent is 0
     probs /= probs.sum()
-    if params.top_p < 1.0 and len(candidates) > NUCLEUS_PROBE:
+    if params.top_p < 1.0 and values.size > NUCLEUS_PROBE:
         likely = _nucleus_superset(probs, top_p=params.top_p)
-        candidates, values, probs = candidates[likely], values[likely], probs[likely]
+        candidates = np.flatnonzero(likely) if candidates is None else candidates[likely]
+        values, probs = values[likely], probs[likely]
+    if candidates is None:
+        candidates = np.arange(vocab)
     if params.top_p < 1.0 or len(candidates) < vocab:
         order = np.argsort(-values, kind="stable")  # ties: lower token id first, as argmax
         candidates, values, probs = candidates[order], values[order], probs[order]
