@@ -271,6 +271,23 @@ def test_top_p_over_a_large_vocabulary_keeps_the_sorted_nucleus(seed, vocab, spr
     assert np.allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(1.05, 2.0), st.floats(0.3, 0.999))
+def test_top_p_after_a_repetition_penalty_keeps_the_sorted_nucleus(seed, penalty, top_p):
+    # The penalised scores are float64 and reordered; the nucleus must still be the one a full sort gives.
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal(49152) * 4).astype(np.float32)
+    history = rng.integers(0, 49152, size=300)
+    got = distribution(logits, SamplingParams(temperature=0.8, top_p=top_p, repetition_penalty=penalty),
+                       history=history.tolist())
+    penalised = logits.astype(np.float64)
+    seen = np.unique(history)  # CTRL: positive scores divided, negative multiplied, once per distinct token
+    penalised[seen] = np.where(penalised[seen] > 0, penalised[seen] / penalty, penalised[seen] * penalty)
+    want = _naive_nucleus(penalised, temperature=0.8, top_p=top_p)
+    assert np.array_equal(got > 0, want > 0)
+    assert np.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
 def test_seeded_sampling_is_reproducible():
     logits = np.random.default_rng(7).normal(size=100).astype(np.float32)
     params = SamplingParams(temperature=1.3, top_k=40, top_p=0.95)
