@@ -16,8 +16,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from . import awq
-
 # Of H's mean diagonal, added to it. The reference uses 0.01; on SmolLM2's recorded inputs 0.1 gave lower output
 # error on held-out rows at every layer tried (e.g. layer 15's gate_up, 8-bit: 0.62 vs 0.75; nearest 1.04).
 DAMP = 0.1
@@ -86,10 +84,9 @@ def gptq(w: np.ndarray, h: np.ndarray, *, scales: np.ndarray, qmin: np.ndarray, 
 
 
 def round_weights(float_path: Path, weights_path: Path, steps: Iterable[tuple[dict[str, np.ndarray], int]], *,
-                  weights: list[str], qtype, scaled: bool = True) -> dict[str, list[dict]]:
+                  weights: list[str], qtype) -> dict[str, list[dict]]:
     """GPTQ-round the named [in, out] weights of float_path's graph in its weight file, in place; returns the
-    per-channel overrides (scale, zero point 0) that make ORT's quantizer write exactly these integers.
-    scaled: first rescale input channels by their activations (awq.py), the inverse folded upstream."""
+    per-channel overrides (scale, zero point 0) that make ORT's quantizer write exactly these integers."""
     from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
 
     qmin, qmax = get_qmin_qmax_for_qType(qtype.tensor_type, symmetric=True)  # numpy scalars, as ORT uses them
@@ -99,24 +96,13 @@ def round_weights(float_path: Path, weights_path: Path, steps: Iterable[tuple[di
     stored = np.memmap(weights_path, dtype=np.uint8, mode="r+")
     views = {}
     for init in model.graph.initializer:
-        if init.name in inputs or init.name.endswith("_norm"):
+        if init.name in inputs:
             info = {e.key: e.value for e in init.external_data}
             offset, length = int(info.get("offset", 0)), int(info["length"])
             views[init.name] = stored[offset:offset + length].view(np.float32).reshape(tuple(init.dims))  # [in, out]
-    groups = {x: sorted(n for n, i in inputs.items() if i == x) for x in sorted(set(inputs.values()))}
-    if scaled:  # every fold first: the down input's 1/s lands in gate_up columns, rounded below
-        folds: dict[awq.Fold, list[str]] = {}
-        for n in sorted(inputs):
-            if (fold := awq.fold_target(n, views)) is not None:
-                folds.setdefault(fold, []).append(n)
-        for fold, names in folds.items():
-            w = np.concatenate([views[n] for n in names], axis=1)
-            s = awq.choose_scales(w, h[inputs[names[0]]], qmin=float(qmin), qmax=float(qmax))
-            awq.apply_scales(views, names, fold, s)
-            for x in {inputs[n] for n in names}:
-                h[x] = h[x] / np.outer(s, s)  # the input is now x / s
     overrides = {}
-    for x, names in groups.items():  # weights reading one input share its Hessian: round them as one matrix
+    for x in sorted(set(inputs.values())):  # weights reading one input share its Hessian: round them as one matrix
+        names = sorted(n for n, i in inputs.items() if i == x)
         w = np.concatenate([views[n] for n in names], axis=1)
         scales = channel_scales(w, qmin, qmax)
         rounded = gptq(w, h[x], scales=scales, qmin=qmin, qmax=qmax)
