@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLabel, QMainWindow, Q
                                QSplitter, QVBoxLayout, QWidget)
 
 from .gui_chat_view import ChatInput, ChatView
+from .gui_gc import main_thread_gc
 from .gui_history import Conversation, ConversationStore
 from .gui_history_panel import HistoryPanel
 from .gui_kv_view import KVPanel
@@ -105,6 +106,8 @@ class MainWindow(QMainWindow):
         self._update_buttons()
 
     def _start_worker(self) -> None:
+        main_thread_gc().acquire()  # see gui_gc.py: no collection may run on the worker's thread
+        self._holds_gc = True
         self.thread_ = QThread(self)
         self.worker = GenerationWorker()
         self.stop_flag = self.worker.stop_flag  # shared: set from here, read by the worker before every token
@@ -340,6 +343,7 @@ class MainWindow(QMainWindow):
     def shutdown(self) -> None:
         """Stop the answer (within one token) or the load (within one step), then end the thread."""
         if not self.thread_.isRunning():
+            self._release_gc()
             return
         self.worker.closing.set()
         self.stop_flag.set()
@@ -347,6 +351,12 @@ class MainWindow(QMainWindow):
         QMetaObject.invokeMethod(self.worker, "release", Qt.ConnectionType.BlockingQueuedConnection)
         self.thread_.quit()
         self.thread_.wait()
+        self._release_gc()
+
+    def _release_gc(self) -> None:
+        if self._holds_gc:
+            self._holds_gc = False
+            main_thread_gc().release()
 
     def closeEvent(self, event) -> None:
         self.shutdown()

@@ -276,3 +276,29 @@ def test_screenshot_mid_conversation(qtbot, make_window, base_settings, tiny_cha
         capture(window, out, prompt="And how do I sort it?")
     assert out.is_file()
     assert _non_blank(out) > 20.0  # a blank or single-colour frame has ~0
+
+
+def test_cyclic_garbage_is_collected_on_the_gui_thread_while_the_worker_lives(qtbot, make_window, base_settings):
+    import gc
+    import threading
+    import weakref
+
+    assert gc.isenabled()
+    window = make_window(base_settings)
+    assert not gc.isenabled()  # a collection tripped in the worker's thread could destroy Qt objects there
+
+    freed_on: list[bool] = []
+    holder = type("Holder", (), {})()
+    holder.me = holder  # only the cyclic collector can free this
+    weakref.finalize(holder, lambda: freed_on.append(threading.current_thread() is threading.main_thread()))
+    del holder
+
+    def churn():  # allocations trip the GUI timer's threshold check, as the real app's would
+        junk = [[] for _ in range(1000)]
+        del junk
+        return bool(freed_on)
+
+    qtbot.waitUntil(churn, timeout=10_000)
+    assert freed_on == [True]
+    window.close()
+    assert gc.isenabled()  # given back once the worker's thread has ended
