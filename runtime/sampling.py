@@ -75,8 +75,9 @@ def _nucleus_superset(raw: np.ndarray, *, temperature: float, top: float,
             break
         likely = r32 >= np.partition(r32, raw.size - k)[raw.size - k]
         head = np.exp(raw[likely].astype(np.float64) / temperature - top)
-        z = float(head.sum() + exp32[~likely].sum(dtype=np.float64))
-        if head.sum() >= top_p * z:
+        mass = float(head.sum())
+        z = mass + float(exp32[~likely].sum(dtype=np.float64))
+        if mass >= top_p * z:
             return likely, head, z
     return None
 
