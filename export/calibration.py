@@ -28,12 +28,9 @@ from .contract import GraphShape, KV_INPUT_ROLES, TensorSpec, kv_tensor_index
 
 @dataclass(frozen=True)
 class TraceStep:
-    past: np.ndarray  # [T, n, D] float32: the valid rows the step attended to
+    past: np.ndarray  # [T, n, D] float32: the newest valid rows the step attended to (all of them, or a window's worth)
     token_ids: np.ndarray  # [k] int64: the step's real tokens (k > 1: a prefill chunk)
-
-    @property
-    def position(self) -> int:  # calibration never slides, so the position is the number of cached rows
-        return self.past.shape[1]
+    position: int  # rows cached before the step (calibration never slides: the first token's position)
 
     @property
     def is_sink(self) -> bool:
@@ -63,66 +60,133 @@ def calibration_prompts() -> list[str]:
     return [p["prompt"] for p in json.loads(text)["prompts"]]
 
 
-def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: int, max_new_tokens: int,
-                  eos_ids: tuple[int, ...] = (), sink_ids: tuple[int, ...] = (), on_prompt=None) -> Traces:
-    """Run the float family over the prompts; keep about max_steps steps, half prefill chunks, half decode,
-    plus every prompt's first token (and each of sink_ids) as a sink step of its own."""
-    from staticlm.runtime.device import Device, DeviceOptions
-    from staticlm.runtime.engine import Engine, EngineOptions
+class _Recorder:
+    """The float family on one sequence: what each step reads, and the KV and logits ranges of all it writes."""
 
-    engine = Engine(float_dir, options=EngineOptions(device=DeviceOptions(device=Device.CPU)))
-    chunk = max(engine.prefill_len, 1)
-    room = engine.max_context - 1
-    keep = max(room - max_new_tokens, 1)  # long prompts keep their end (the assistant header), so decoding happens
+    def __init__(self, float_dir: Path, *, max_past_rows: int | None) -> None:
+        from staticlm.runtime.device import Device, DeviceOptions
+        from staticlm.runtime.engine import Engine, EngineOptions
+
+        self.engine = Engine(float_dir, options=EngineOptions(device=DeviceOptions(device=Device.CPU)))
+        self.chunk = max(self.engine.prefill_len, 1)
+        self.room = self.engine.max_context - 1
+        self.max_rows = max_past_rows or self.engine.max_context
+        t = self.engine.kv.spec.num_tensors
+        self.kv_min, self.kv_max = np.full(t, np.inf, np.float32), np.full(t, -np.inf, np.float32)
+        self.logits_min, self.logits_max = np.inf, -np.inf
+
+    @property
+    def num_cached(self) -> int:
+        return self.engine.num_cached
+
+    def reset(self) -> None:
+        self.absorb_kv()
+        self.engine.reset()
+
+    def step(self, token_ids) -> TraceStep:
+        """What a run of token_ids reads now: the newest max_past_rows rows (a window's worth is all a graph
+        of that window sees of a longer past)."""
+        block = self.engine.kv.valid_block(0)
+        n = block.shape[1]
+        return TraceStep(block[:, max(n - self.max_rows, 0):].copy(), np.asarray(token_ids, np.int64), n)
+
+    def run(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids, np.int64)
+        logits = self.engine.prefill(ids) if ids.size > 1 or self.num_cached == 0 else self.engine.decode(int(ids[0]))
+        self.logits_min, self.logits_max = min(self.logits_min, float(logits.min())), max(self.logits_max,
+                                                                                        float(logits.max()))
+        return logits
+
+    def absorb_kv(self) -> None:
+        block = self.engine.kv.valid_block(0)  # [T, n, D]: every row written since the last reset
+        if block.shape[1]:
+            np.minimum(self.kv_min, block.min(axis=(1, 2)), out=self.kv_min)
+            np.maximum(self.kv_max, block.max(axis=(1, 2)), out=self.kv_max)
+
+
+def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: int, max_new_tokens: int,
+                  eos_ids: tuple[int, ...] = (), sink_ids: tuple[int, ...] = (), on_prompt=None,
+                  max_past_rows: int | None = None) -> Traces:
+    """Run the float family over the prompts; keep about max_steps steps: a quarter prefill chunks and a quarter
+    decode tokens of each prompt alone, half from one long conversation of all of them (see _long_conversation;
+    only when the family's context reaches past the short chats),
+    plus every prompt's first token (and each of sink_ids) as a sink step of its own. A step keeps at most
+    max_past_rows of its past (the calibrating graph's window)."""
+    rec = _Recorder(float_dir, max_past_rows=max_past_rows)
+    keep = max(rec.room - max_new_tokens, 1)  # long prompts keep their end (the assistant header), so decoding happens
     prompt_ids = [p[-keep:] for p in prompt_ids]
-    num_chunks = sum(-(-len(p) // chunk) for p in prompt_ids)
+    reach = max(map(len, prompt_ids), default=0) + max_new_tokens  # the furthest position a short chat gets to
+    num_long = max_steps // 2 if len(prompt_ids) > 1 and reach < rec.room else 0  # positions beyond it exist
+    num_short = max_steps - num_long
+    num_chunks = sum(-(-len(p) // rec.chunk) for p in prompt_ids)
     num_decode = len(prompt_ids) * max_new_tokens
-    chunk_stride = max(1, -(-num_chunks // max(1, max_steps // 2)))
-    decode_stride = max(1, -(-num_decode // max(1, max_steps - min(num_chunks, max_steps // 2))))
-    t = engine.kv.spec.num_tensors
-    kv_min, kv_max = np.full(t, np.inf, np.float32), np.full(t, -np.inf, np.float32)
-    lo, hi = np.inf, -np.inf
+    chunk_stride = max(1, -(-num_chunks // max(1, num_short // 2)))
+    decode_stride = max(1, -(-num_decode // max(1, num_short - min(num_chunks, num_short // 2))))
     steps: list[TraceStep] = []
     sinks: list[TraceStep] = []
     chunk_no = decode_no = 0
 
     def first_token(token: int) -> np.ndarray:  # alone, as the runtime runs it (Engine.prefill, the sink)
-        nonlocal lo, hi
-        engine.reset()
-        sinks.append(TraceStep(engine.kv.valid_block(0).copy(), np.array([token], np.int64)))
-        logits = engine.prefill(sinks[-1].token_ids)
-        lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
-        np.minimum(kv_min, engine.kv.valid_block(0).min(axis=(1, 2)), out=kv_min)
-        np.maximum(kv_max, engine.kv.valid_block(0).max(axis=(1, 2)), out=kv_max)
-        return logits
+        rec.reset()
+        sinks.append(rec.step([token]))
+        return rec.run([token])
 
     for token in sink_ids:  # more first tokens than the chat template's one
         first_token(token)
     for ids in prompt_ids:
         logits = first_token(ids[0])
-        for start in range(1, len(ids), chunk):
-            part = np.asarray(ids[start:start + chunk], np.int64)
+        for start in range(1, len(ids), rec.chunk):
+            part = ids[start:start + rec.chunk]
             if chunk_no % chunk_stride == 0:
-                steps.append(TraceStep(engine.kv.valid_block(0).copy(), part))
+                steps.append(rec.step(part))
             chunk_no += 1
-            logits = engine.prefill(part)
-            lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
+            logits = rec.run(part)
         for _ in range(max_new_tokens):
             token = int(np.argmax(logits))
-            if token in eos_ids or engine.num_cached + 1 > room:
+            if token in eos_ids or rec.num_cached + 1 > rec.room:
                 break
             if decode_no % decode_stride == 0:
-                steps.append(TraceStep(engine.kv.valid_block(0).copy(), np.array([token], np.int64)))
+                steps.append(rec.step([token]))
             decode_no += 1
-            logits = engine.decode(token)
-            lo, hi = min(lo, float(logits.min())), max(hi, float(logits.max()))
-        block = engine.kv.valid_block(0)  # [T, n, D]: every new row this prompt wrote, and every past row
-        np.minimum(kv_min, block.min(axis=(1, 2)), out=kv_min)
-        np.maximum(kv_max, block.max(axis=(1, 2)), out=kv_max)
+            logits = rec.run([token])
         if on_prompt is not None:
             on_prompt()
-    return Traces(steps=tuple(steps[:max_steps]) + tuple(sinks), kv_min=kv_min, kv_max=kv_max,
-                  logits_min=lo, logits_max=hi)
+    steps = steps[:num_short]
+    if num_long:
+        steps += _long_conversation(rec, prompt_ids, num_steps=num_long, max_new_tokens=max_new_tokens,
+                                    eos_ids=eos_ids)
+    rec.reset()
+    return Traces(steps=tuple(steps) + tuple(sinks), kv_min=rec.kv_min, kv_max=rec.kv_max,
+                  logits_min=rec.logits_min, logits_max=rec.logits_max)
+
+
+def _long_conversation(rec: _Recorder, prompt_ids: list[list[int]], *, num_steps: int, max_new_tokens: int,
+                       eos_ids: tuple[int, ...]) -> list[TraceStep]:
+    """The prompts one after another in one cache, each answered greedily, round after round until the largest
+    context is full; a step every room / num_steps rows. Short chats alone reach position ~70, and positions
+    past them were out of range: on held-out text at positions 960-1970, 453 of SmolLM2's 2,943 activations
+    (RoPE'd queries, attention scores) left their calibrated ranges, by up to the whole range again."""
+    rec.reset()
+    every = max(1, rec.room // num_steps)
+    steps: list[TraceStep] = []
+    while True:
+        for ids in prompt_ids:
+            for start in range(0, len(ids), rec.chunk):
+                part = ids[start:start + rec.chunk]
+                if rec.num_cached + len(part) > rec.room:
+                    return steps[:num_steps]
+                if rec.num_cached >= every * (len(steps) + 1):
+                    steps.append(rec.step(part))
+                logits = rec.run(part)
+            for _ in range(max_new_tokens):
+                token = int(np.argmax(logits))
+                if token in eos_ids:
+                    break
+                if rec.num_cached + 1 > rec.room:
+                    return steps[:num_steps]
+                if rec.num_cached >= every * (len(steps) + 1):
+                    steps.append(rec.step([token]))
+                logits = rec.run([token])
 
 
 class StepFeeds:
@@ -146,7 +210,7 @@ class StepFeeds:
         return tuple(s for s in steps if s.token_ids.size <= self.shape.ar) or steps
 
     def feeds(self, step: TraceStep) -> dict[str, np.ndarray]:
-        s, n = self.shape, step.position
+        s, n, rows = self.shape, step.position, step.past.shape[1]
         ids = np.zeros((1, s.ar), np.int64)
         k = min(step.token_ids.size, s.ar)
         ids[0, :k] = step.token_ids[:k]
@@ -154,12 +218,12 @@ class StepFeeds:
         cos = np.zeros((1, 1, s.ar, step.past.shape[2]), np.float32)
         sin = np.zeros_like(cos)
         self._rope.fill((n + np.arange(s.ar))[None], cos_out=cos, sin_out=sin)
-        kept = min(n, s.past_len)  # a longer past slides: the newest P rows, positions keep counting
+        kept = min(rows, s.past_len)  # a longer past slides: the newest P rows, positions keep counting
         bias = self._bias(lengths=np.array([kept]), past_len=s.past_len, ar=s.ar)
         bias[bias < 0] = self.mask_value  # the level the quantized mask input represents
         window = np.zeros((step.past.shape[0], s.past_len, step.past.shape[2]), np.float32)
         if kept:
-            window[:, s.past_len - kept:] = step.past[:, n - kept:]  # left padding: valid rows at the right end
+            window[:, s.past_len - kept:] = step.past[:, rows - kept:]  # left padding: valid rows at the right end
         feeds = {"input_ids": ids, "rope_cos": cos, "rope_sin": sin, "attention_bias": bias}
         for name, t in self._kv:
             feeds[name] = window[t][None, None]

@@ -228,7 +228,8 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
         step("float family")
         ids, eos, first_tokens = _prompt_ids(float_dir, prompts or calibration_prompts())
         traces = record_traces(float_dir, ids, max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS,
-                               eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"))
+                               eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
+                               max_past_rows=template_entry(fm.graphs).shape.past_len)
         fq = family_quant(traces, quant)
         final = work / "family"
         final.mkdir()

@@ -359,3 +359,36 @@ def test_corrupted_quantization_block(corrupt, tiny_q16, tmp_path):
     (directory / "manifest.json").write_text(json.dumps(data))
     proc = staticlm("generate", "--model", directory, "--prompt", "hi", "--device", "cpu")
     assert_one_line_error(proc, "quantization")
+
+
+def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf_dir, tmp_path):
+    """Calibration steps cover the positions the family serves (short chats alone stop near their own length),
+    and a step that keeps only a window's worth of its past feeds that window exactly as the whole past does."""
+    from staticlm.export import qdq_family as qf
+    from staticlm.export.calibration import StepFeeds, record_traces
+    from staticlm.export.qdq_template import template_entry
+    from staticlm.export.sources import load_model
+
+    loaded = load_model(tiny_hf_dir)
+    contexts = (32, 512)  # the short chats (~130 byte tokens here) reach past the tiny families' 64
+    options = ExportOptions(contexts=contexts, prefill_len=TINY_PREFILL, verify_lens=(4,), htp_style=True,
+                            batch_sizes=())
+    fm = export_family(loaded, tmp_path / "float", options=options)
+    ids, eos, _ = qf._prompt_ids(tmp_path / "float", qf.calibration_prompts()[:4])
+    template = template_entry(fm.graphs)
+    record = dict(max_steps=16, max_new_tokens=6, eos_ids=eos)
+    trimmed = record_traces(tmp_path / "float", ids, max_past_rows=template.shape.past_len, **record).family_steps
+    whole = record_traces(tmp_path / "float", ids, **record).family_steps
+    room = max(contexts) - 1
+    short_reach = max(map(len, ids)) + record["max_new_tokens"]
+    assert short_reach < 0.5 * room and max(s.position for s in trimmed) > 0.75 * room
+    assert len({s.position for s in trimmed}) > 8
+    assert [s.position for s in trimmed] == [s.position for s in whole]
+    assert all(s.past.shape[1] == min(s.position, template.shape.past_len) for s in trimmed)
+    assert any(s.position > template.shape.past_len for s in trimmed)
+    c = loaded.config
+    feeds = StepFeeds(template.inputs, template.shape, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                      rope_theta=c.rope_theta, max_positions=c.max_positions, mask_value=-100.0)
+    for a, b in zip(trimmed, whole):
+        fa, fb = feeds.feeds(a), feeds.feeds(b)
+        assert fa.keys() == fb.keys() and all(np.array_equal(fa[k], fb[k]) for k in fa)
