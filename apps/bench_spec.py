@@ -93,7 +93,7 @@ def bench_speculative(ctx: BenchContext) -> list[Row]:
     max_new = 12 if ctx.options.quick else 128
     chat_ids, tokenizer = _chat_ids(engine, CHAT_PROMPT)
     rewrites = _rewrite_tasks(ctx, engine, tokenizer, max_new)
-    if max(len(rewrites[0]), len(chat_ids)) + max_new > ctx.max_context:
+    if max(*map(len, rewrites), len(chat_ids)) + max_new > ctx.max_context:
         ctx.extra.setdefault("skipped_rows", {})["speculative"] = "the prompts do not fit the model's context"
         return []
     rows, raw = [], {}
