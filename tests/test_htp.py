@@ -327,9 +327,10 @@ def test_smollm2_w8a16_agreement(smollm2_loaded, tmp_path):
     result = compare(model, ref, ids, max_tokens=300)
     assert result.num_tokens == 300
     assert result.ppl_change <= 0.05, result
-    # A regression floor, not the issue's 97 % target (issue 5 stays open on it): this shortened run measured
-    # 95.7 % with the 16-bit head (93.7 % with an 8-bit one; 89.7 % before the sink graph and id-0-free padding).
-    assert result.agreement >= 0.945, result
+    # A regression floor one token-flip pair below the measured 97.3 % (292/300; 96.98 % over the whole text),
+    # so a different CPU's rounding cannot fail it: 95.7 % before exact-repeat padding rows, act-order GPTQ
+    # and the 16-bit embedding, 93.7 % with an 8-bit head, 89.7 % before the sink graph.
+    assert result.agreement >= 0.965, result
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
@@ -363,7 +364,8 @@ def test_corrupted_quantization_block(corrupt, tiny_q16, tmp_path):
 
 def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf_dir, tmp_path):
     """Calibration steps cover the positions the family serves (short chats alone stop near their own length),
-    and a step that keeps only a window's worth of its past feeds that window exactly as the whole past does."""
+    a step that keeps only a window's worth of its past feeds that window exactly as the whole past does, and
+    the padding rows of a short step repeat its last row."""
     from staticlm.export import qdq_family as qf
     from staticlm.export.calibration import StepFeeds, record_traces
     from staticlm.export.qdq_template import template_entry
@@ -378,7 +380,8 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
     template = template_entry(fm.graphs)
     record = dict(max_steps=16, max_new_tokens=6, eos_ids=eos)
     trimmed = record_traces(tmp_path / "float", ids, max_past_rows=template.shape.past_len, **record).family_steps
-    whole = record_traces(tmp_path / "float", ids, **record).family_steps
+    whole_traces = record_traces(tmp_path / "float", ids, **record)
+    whole = whole_traces.family_steps
     room = max(contexts) - 1
     short_reach = max(map(len, ids)) + record["max_new_tokens"]
     assert short_reach < 0.5 * room and max(s.position for s in trimmed) > 0.75 * room
@@ -392,3 +395,61 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
     for a, b in zip(trimmed, whole):
         fa, fb = feeds.feeds(a), feeds.feeds(b)
         assert fa.keys() == fb.keys() and all(np.array_equal(fa[k], fb[k]) for k in fa)
+        if b.position > template.shape.past_len:  # a full window keeps the sink row, then the newest rows
+            name, t = feeds._kv[0]
+            assert np.array_equal(fa[name][0, 0, 0], b.past[t, 0])
+            assert np.array_equal(fa[name][0, 0, 1:], b.past[t, b.position - template.shape.past_len + 1:])
+
+    # Padding rows add nothing to the calibrated ranges: each computes the step's last row exactly, and a
+    # decode token's row is what the decode graph (no padding) computes for it.
+    import onnxruntime as ort
+    decode = max((g for g in fm.graphs if g.shape.ar == 1), key=lambda g: g.shape.past_len)
+    decode_feeds = StepFeeds(decode.inputs, decode.shape, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                             rope_theta=c.rope_theta, max_positions=c.max_positions, mask_value=-100.0)
+    run_template, run_decode = (ort.InferenceSession(str(tmp_path / "float" / g.file)).run for g in (template, decode))
+    short = [s for s in trimmed if s.token_ids.size < template.shape.ar]
+    assert sum(s.token_ids.size == 1 for s in short) >= 4
+    for step in short:
+        k = step.token_ids.size
+        logits = run_template(["logits"], feeds.feeds(step))[0][0]  # [AR, V]
+        assert np.allclose(logits[k:], logits[k - 1], atol=1e-5)
+        if k == 1:  # the trimmed past, left-padded into the decode graph's larger window
+            alone = run_decode(["logits"], decode_feeds.feeds(step))[0][0, 0]
+            assert np.allclose(logits[0], alone, atol=1e-4)
+
+
+def _kv_outputs(entry, num_kv_heads: int) -> list[tuple[str, int]]:
+    from staticlm.export.contract import KV_OUTPUT_ROLES, kv_tensor_index
+    return [(s.name, kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=s.role == KV_OUTPUT_ROLES[1],
+                                     num_kv_heads=num_kv_heads)) for s in entry.outputs if s.role in KV_OUTPUT_ROLES]
+
+
+def test_calibration_replay_chunks_recompute_the_conversation(tiny_hf_dir, tmp_path):
+    """GPTQ's extra rows: the long conversation re-read in full chunks from the cache it left. Each chunk, run
+    through the widest prefill graph, writes the same K/V rows the engine wrote while decoding them."""
+    import onnxruntime as ort
+
+    from staticlm.export import qdq_family as qf
+    from staticlm.export.calibration import StepFeeds, record_traces
+    from staticlm.export.sources import load_model
+
+    loaded = load_model(tiny_hf_dir)
+    options = ExportOptions(contexts=(32, 512), prefill_len=TINY_PREFILL, verify_lens=(), htp_style=True,
+                            batch_sizes=())
+    fm = export_family(loaded, tmp_path / "float", options=options)
+    ids, eos, _ = qf._prompt_ids(tmp_path / "float", qf.calibration_prompts()[:4])
+    replay = record_traces(tmp_path / "float", ids, max_steps=16, max_new_tokens=6, eos_ids=eos).replay_steps
+    assert len(replay) > 0.75 * 511 // TINY_PREFILL
+    assert all(s.token_ids.size == TINY_PREFILL and s.past.shape[1] == s.position for s in replay)
+    assert [s.position for s in replay] == list(range(1, replay[-1].position + 1, TINY_PREFILL))
+    prefill = max((g for g in fm.graphs if g.shape.ar == TINY_PREFILL), key=lambda g: g.shape.past_len)
+    c = loaded.config
+    feeds = StepFeeds(prefill.inputs, prefill.shape, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                      rope_theta=c.rope_theta, max_positions=c.max_positions, mask_value=-100.0)
+    run = ort.InferenceSession(str(tmp_path / "float" / prefill.file)).run
+    outputs = _kv_outputs(prefill, c.num_kv_heads)
+    for step, later in zip(replay, replay[1:]):  # the later step's past holds what the engine wrote for this one
+        written = later.past[:, step.position:step.position + TINY_PREFILL]  # [T, AR, D]
+        new = run([n for n, _ in outputs], feeds.feeds(step))
+        for (_, t), rows in zip(outputs, new):  # rows [1, 1, AR, D]
+            assert np.allclose(rows[0, 0], written[t], atol=1e-4)
