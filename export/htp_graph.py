@@ -21,9 +21,23 @@ from onnx import helper
 from .config import ModelConfig
 from .contract import GraphShape, Role, graph_io, kv_name
 from .llama_graph import LlamaGraph
+from .source_grid import block_grid, block_indicator
 from .weight_file import WeightFileWriter
 
 HTP_OPSET = 21
+
+
+def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray) -> None:
+    """An [in, out] projection; one exactly on a 4-bit block grid is stored as its symmetric part, block
+    offsets (source_grid.py), which HTPLlamaGraph.linear and qdq_blocks.py read."""
+    grid = block_grid(w)
+    if grid is None:
+        writer.add(name, w)
+        return
+    writer.add(name, grid.symmetric_part())
+    writer.add(f"{name}.block_offsets", grid.offsets)  # [K/32, N]
+    if f"block_sum_{w.shape[0]}" not in writer:
+        writer.add(f"block_sum_{w.shape[0]}", block_indicator(w.shape[0]))  # [K, K/32]
 
 
 def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
@@ -40,21 +54,21 @@ def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: We
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."
         writer.add(f"l{layer}.attn_norm", hf[p + "input_layernorm.weight"].astype(f32))
-        writer.add(f"l{layer}.q", (hf[p + "self_attn.q_proj.weight"] * scale).T.astype(f32))
+        _add_projection(writer, f"l{layer}.q", (hf[p + "self_attn.q_proj.weight"] * scale).T.astype(f32))
         if c.attention_bias:
             writer.add(f"l{layer}.q_bias", (hf[p + "self_attn.q_proj.bias"] * scale).astype(f32))
         for kind in ("k", "v"):
             w = hf[p + f"self_attn.{kind}_proj.weight"]  # [Hkv D, hidden]
             for h in range(c.num_kv_heads):
                 rows = slice(h * c.head_dim, (h + 1) * c.head_dim)
-                writer.add(f"l{layer}.{kind}_h{h}", w[rows].T.astype(f32))  # [hidden, D]
+                _add_projection(writer, f"l{layer}.{kind}_h{h}", w[rows].T.astype(f32))  # [hidden, D]
                 if c.attention_bias:
                     writer.add(f"l{layer}.{kind}_bias_h{h}", hf[p + f"self_attn.{kind}_proj.bias"][rows].astype(f32))
-        writer.add(f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32))
+        _add_projection(writer, f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32))
         writer.add(f"l{layer}.mlp_norm", hf[p + "post_attention_layernorm.weight"].astype(f32))
         gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-        writer.add(f"l{layer}.gate_up", gate_up.T.astype(f32))
-        writer.add(f"l{layer}.down", hf[p + "mlp.down_proj.weight"].T.astype(f32))
+        _add_projection(writer, f"l{layer}.gate_up", gate_up.T.astype(f32))
+        _add_projection(writer, f"l{layer}.down", hf[p + "mlp.down_proj.weight"].T.astype(f32))
 
 
 class HTPLlamaGraph(LlamaGraph):
@@ -77,6 +91,7 @@ class HTPLlamaGraph(LlamaGraph):
         16-bit x 8-bit Gemm(transB) (FullyConnected, validation error 3110)."""
         g, c, s = self.g, self.c, self.s
         self._norm_outputs: list[str] = []
+        self._block_sums: dict[str, str] = {}  # input -> its block sums
         inputs, outputs = graph_io(c, s)
         head = g.weight("lm_head_t")  # [hidden, V]
         h = g.op("Gather", g.weight("embed"), "input_ids", axis=0)
@@ -94,14 +109,25 @@ class HTPLlamaGraph(LlamaGraph):
                                       for y in self._norm_outputs)
         return model
 
-    def _project(self, x4: str, weight: str, bias: str | None, out: str | None) -> str:
-        """[1, 1, AR, hidden] x [hidden, D] (+ bias); out names the result (a graph output)."""
+    def linear(self, x: str, weight: str, *, out: str | None = None) -> str:
+        """x @ W, or for a weight on the source's block grid x @ Wq + (x E) @ C (source_grid.py)."""
         g = self.g
         named = {"outputs": [out]} if out else {}
+        if f"{weight}.block_offsets" not in g.weights:
+            y = g.op("MatMul", x, g.weight(weight), **named)
+            return out or y
+        k = g.weights.proto(weight).dims[0]
+        if x not in self._block_sums:  # [.., K/32]: once per input, shared by the weights that read it
+            self._block_sums[x] = g.op("MatMul", x, g.weight(f"block_sum_{k}"))
+        offsets = g.op("MatMul", self._block_sums[x], g.weight(f"{weight}.block_offsets"))
+        y = g.op("Add", g.op("MatMul", x, g.weight(weight)), offsets, **named)
+        return out or y
+
+    def _project(self, x4: str, weight: str, bias: str | None, out: str | None) -> str:
+        """[1, 1, AR, hidden] x [hidden, D] (+ bias); out names the result (a graph output)."""
         if bias is None:
-            y = g.op("MatMul", x4, g.weight(weight), **named)
-        else:
-            y = g.op("Add", g.op("MatMul", x4, g.weight(weight)), g.weight(bias), **named)
+            return self.linear(x4, weight, out=out)
+        y = self.g.op("Add", self.linear(x4, weight), self.g.weight(bias), **({"outputs": [out]} if out else {}))
         return out or y
 
     def _rope_named(self, x: str, cos: str, sin: str, out: str) -> str:
@@ -115,7 +141,7 @@ class HTPLlamaGraph(LlamaGraph):
         g, c, s = self.g, self.c, self.s
         ar, p, grp, d = s.ar, s.past_len, c.group_size, c.head_dim
         x4 = g.op("Reshape", x, g.const([1, 1, ar, c.hidden_size]))  # [1, 1, AR, hidden]
-        q = g.op("MatMul", x, g.weight(f"l{layer}.q"))  # [1, AR, H D]
+        q = self.linear(x, f"l{layer}.q")  # [1, AR, H D]
         if c.attention_bias:
             q = g.op("Add", q, g.weight(f"l{layer}.q_bias"))
         q = self.rope(self.heads(q, c.num_heads), cos, sin)  # [1, H, AR, D]
@@ -139,4 +165,4 @@ class HTPLlamaGraph(LlamaGraph):
             outs.append(g.op("Add", g.op("MatMul", p_past, past_v), g.op("MatMul", p_new, new_v)))  # [1, g, AR, D]
         o = outs[0] if hkv == 1 else g.op("Concat", *outs, axis=1)  # [1, H, AR, D]
         o = g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.const([1, ar, c.num_heads * d]))
-        return g.op("MatMul", o, g.weight(f"l{layer}.o"))
+        return self.linear(o, f"l{layer}.o")

@@ -27,6 +27,7 @@ from .kv_only import add_kv_boundary
 from .manifest import GraphEntry, GraphKind, Manifest, file_sha256, load_manifest
 from .qdq import (Ranges, boundary_params, calibrated_ranges, quantize_graph, recalibrated, strip_boundary,
                   through_data_movement)
+from .qdq_blocks import grid_overrides, grid_weights, to_block_weights
 from .qdq_template import specialize, template_entry
 from .quant_params import FamilyQuant, Quant, QuantOptions, TensorQuant
 from .sources import LoadedModel
@@ -170,10 +171,14 @@ def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, co
     """GPTQ-round the 8-bit projection weights in the scratch float family's weight file (gptq.py)."""
     from onnxruntime.quantization import QuantType
 
+    path = float_dir / template_entry(fm.graphs).file
+    exact = set(grid_weights(onnx.load(str(path), load_external_data=False)))  # kept on the source's grid
+    weights = [w for w in _projection_weights(config) if w not in exact]
+    if not weights:
+        return {}
     feeds = _step_feeds(fm, fq=fq, config=config)
     real_rows = ((feeds.feeds(s), min(s.token_ids.size, feeds.shape.ar)) for s in feeds.select(steps))
-    return gptq.round_weights(float_dir / template_entry(fm.graphs).file, float_dir / WEIGHTS_FILE, real_rows,
-                              weights=_projection_weights(config), qtype=QuantType.QInt8)
+    return gptq.round_weights(path, float_dir / WEIGHTS_FILE, real_rows, weights=weights, qtype=QuantType.QInt8)
 
 
 def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq: FamilyQuant,
@@ -182,16 +187,19 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
     """A quantizer pass over the template graph (see qdq_template.py), calibrated on the recorded steps."""
     entry = template_entry(fm.graphs)
     pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
+    float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
+    grid = grid_overrides(grid_weights(float_proto), float_proto)
     qpath = work / "q" / entry.file
     qpath.parent.mkdir()
     ranges = quantize_graph(float_dir / entry.file, qpath, reader=_step_reader(fm, steps, fq=fq, config=config),
                             quant=quant.quant, pinned=pinned,
-                            weight_overrides={**weight_overrides(quant.quant, config), **(rounded or {})})
+                            weight_overrides={**weight_overrides(quant.quant, config), **grid, **(rounded or {})})
     proto = strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned)
+    to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, bits=8 if quant.quant is Quant.W8A16 else 4)
     shared.absorb(proto)
     shutil.rmtree(qpath.parent)
-    return _Template(proto=proto, float_proto=onnx.load(str(float_dir / entry.file), load_external_data=False),
-                     ranges=ranges, pinned=frozenset(through_data_movement(float_dir / entry.file, pinned)))
+    return _Template(proto=proto, float_proto=float_proto, ranges=ranges,
+                     pinned=frozenset(through_data_movement(float_dir / entry.file, pinned)))
 
 
 def _sink_template(template: _Template, float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant,

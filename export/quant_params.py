@@ -13,8 +13,8 @@ import numpy as np
 
 class Quant(str, Enum):
     FLOAT = "float"  # no quantization (the float family)
-    W8A16 = "w8a16"  # 8-bit weights (16-bit lm_head and embedding), 16-bit activations
-    W4A16 = "w4a16"  # 4-bit weights (16-bit lm_head and embedding), 16-bit activations
+    W8A16 = "w8a16"  # 8-bit weights (16-bit lm_head and embedding), 16-bit activations; a Q4_1 source exact
+    W4A16 = "w4a16"  # 4-bit weights (16-bit lm_head and embedding), 16-bit activations; a Q4_1 source exact
     KV_ONLY = "kv"  # float weights and activations, quantized KV I/O only: isolates the KV cost
 
 
