@@ -16,6 +16,8 @@ rounding error, which is small there (tiny test model: 5.06 % -> 5.02 % logit er
 from __future__ import annotations
 
 import numpy as np
+
+from .source_grid import block_indicator
 from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
 
@@ -73,5 +75,5 @@ def correction_rows(k: int, block: int) -> int:
 
 def block_sum_matrix(k: int, block: int) -> np.ndarray:
     """[k, correction_rows] ones per block, zero padding: x @ it sums x over each block (the rows' input)."""
-    sums = np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))  # [k, k/block]
+    sums = block_indicator(k, block)  # [k, k/block]
     return np.pad(sums, ((0, 0), (0, correction_rows(k, block) - k // block)))

@@ -21,7 +21,7 @@ from onnx import helper
 from .config import ModelConfig
 from .contract import GraphShape, Role, graph_io, kv_name
 from .llama_graph import LlamaGraph
-from .source_grid import block_grid, block_indicator
+from .source_grid import block_grid, block_indicator, block_sum_name, offsets_name
 from .weight_file import WeightFileWriter
 
 HTP_OPSET = 21
@@ -35,9 +35,9 @@ def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray) -> None:
         writer.add(name, w)
         return
     writer.add(name, grid.symmetric_part())
-    writer.add(f"{name}.block_offsets", grid.offsets)  # [K/32, N]
-    if f"block_sum_{w.shape[0]}" not in writer:
-        writer.add(f"block_sum_{w.shape[0]}", block_indicator(w.shape[0]))  # [K, K/32]
+    writer.add(offsets_name(name), grid.offsets)  # [K/32, N]
+    if block_sum_name(w.shape[0]) not in writer:
+        writer.add(block_sum_name(w.shape[0]), block_indicator(w.shape[0]))  # [K, K/32]
 
 
 def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
@@ -113,13 +113,13 @@ class HTPLlamaGraph(LlamaGraph):
         """x @ W, or for a weight on the source's block grid x @ Wq + (x E) @ C (source_grid.py)."""
         g = self.g
         named = {"outputs": [out]} if out else {}
-        if f"{weight}.block_offsets" not in g.weights:
+        if offsets_name(weight) not in g.weights:
             y = g.op("MatMul", x, g.weight(weight), **named)
             return out or y
         k = g.weights.proto(weight).dims[0]
         if x not in self._block_sums:  # [.., K/32]: once per input, shared by the weights that read it
-            self._block_sums[x] = g.op("MatMul", x, g.weight(f"block_sum_{k}"))
-        offsets = g.op("MatMul", self._block_sums[x], g.weight(f"{weight}.block_offsets"))
+            self._block_sums[x] = g.op("MatMul", x, g.weight(block_sum_name(k)))
+        offsets = g.op("MatMul", self._block_sums[x], g.weight(offsets_name(weight)))
         y = g.op("Add", g.op("MatMul", x, g.weight(weight)), offsets, **named)
         return out or y
 

@@ -13,10 +13,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .source_grid import BLOCK
+from .source_grid import BLOCK, LOWEST_LEVEL, block_sum_name, offsets_name
 
-OFFSETS, SUMS = ".block_offsets", "block_sum_"
-LOWEST_LEVEL = -8  # every Q4_1 block holds its minimum at level 0, -8 here: d = min / -8 exactly
+OFFSETS = offsets_name("")
 
 
 def grid_weights(float_model: onnx.ModelProto) -> list[str]:
@@ -30,9 +29,8 @@ def grid_overrides(names: list[str], float_model: onnx.ModelProto) -> dict[str, 
     from onnxruntime.quantization import QuantType
 
     out = {f"{n}{OFFSETS}": [{"quant_type": QuantType.QInt16, "symmetric": True, "axis": 1}] for n in names}
-    for init in float_model.graph.initializer:
-        if init.name.startswith(SUMS):
-            out[init.name] = [{"quant_type": QuantType.QUInt8, "symmetric": False}]
+    for k in {i.dims[0] for i in float_model.graph.initializer if i.name in set(names)}:
+        out[block_sum_name(k)] = [{"quant_type": QuantType.QUInt8, "symmetric": False}]
     return out
 
 

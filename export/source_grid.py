@@ -19,6 +19,17 @@ import numpy as np
 BLOCK = 32  # GGUF's block length along the input axis (Q4_0, Q4_1, Q8_0)
 NUM_LEVELS = 16
 MID_LEVEL = 8
+LOWEST_LEVEL = -MID_LEVEL  # every Q4_1 block holds its minimum at level 0: d = (that value) / -8 exactly
+
+
+def offsets_name(weight: str) -> str:
+    """The weight file's name for C, the per-block offsets of `weight`."""
+    return f"{weight}.block_offsets"
+
+
+def block_sum_name(k: int) -> str:
+    """The weight file's name for E, the [k, k / BLOCK] block indicator."""
+    return f"block_sum_{k}"
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,6 @@ def block_grid(w: np.ndarray) -> BlockGrid | None:
     return grid
 
 
-def block_indicator(k: int) -> np.ndarray:
-    """[K, K / BLOCK] float32: x E sums each block of x."""
-    return np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
+def block_indicator(k: int, block: int = BLOCK) -> np.ndarray:
+    """[k, k / block] float32: x E sums each block of x."""
+    return np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))
