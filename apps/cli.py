@@ -1,4 +1,4 @@
-"""The `staticlm` command: export, generate, chat."""
+"""The `staticlm` command: export, compile, generate, chat, eval, bench, app."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--answers", type=int, default=3, help="greedy chat answers shown side by side (default 3)")
     v.add_argument("--device", default="cpu", help="cpu (default) or htp")
     v.add_argument("--json", action="store_true")
+    k = sub.add_parser("compile", help="compile an HTP family into QNN context binaries ahead of time (offline, "
+                       "on x86_64): later loads skip graph finalization")
+    k.add_argument("--model", type=Path, required=True, help="an exported --target htp family")
+    k.add_argument("--soc-model", default=None, help="QNN SoC model (default 57, Snapdragon 8 Gen 3)")
+    k.add_argument("--per-graph", action="store_true",
+                   help="one context per graph (what the x86_64 emulator loads) instead of one shared binary "
+                        "whose graphs share their weights (ep.share_ep_contexts; for the device)")
+    k.add_argument("--quiet", action="store_true")
     b = sub.add_parser("bench", help="decode/prefill speed, KV strategies and BMC microbenchmark, against the peers")
     b.add_argument("--model", type=Path, default=None, help="exported model directory (default: the embedded SmolLM2)")
     b.add_argument("--threads", type=int, default=2, help="CPU threads for ours and every peer (default 2)")
@@ -141,6 +149,11 @@ def dispatch(args) -> int:
 
         return run_eval(model=args.model, reference=args.reference, text=args.text, max_tokens=args.max_tokens,
                         num_answers=args.answers, device=args.device, as_json=args.json)
+    if args.command == "compile":
+        from .cmd_compile import run_compile
+
+        run_compile(model=args.model, soc_model=args.soc_model, per_graph=args.per_graph, quiet=args.quiet)
+        return 0
     if args.command == "generate" and args.num_responses != 1:
         from .cmd_generate_batch import run_generate_batch
 

@@ -7,6 +7,7 @@ import shutil
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Callable
 
 import onnxruntime as ort
 
@@ -119,14 +120,22 @@ def _htp_session_options(options: DeviceOptions) -> ort.SessionOptions:
     return so
 
 
-def compile_shared_context(model_dir: Path, *, options: DeviceOptions) -> Path:
-    """Every graph of the family at model_dir into one QNN context binary whose graphs share their weights
-    (one session group: ep.share_ep_contexts, the last with ep.stop_share_ep_contexts). Returns its directory
-    under .qnn_cache; a device loads it instead of compiling (see qnn_context.py)."""
-    model_dir = Path(model_dir)
-    files = _family_graph_files(model_dir)
+def family_graph_files(model_dir: Path) -> tuple[Path, ...]:
+    """The family's graph files, from its manifest; DeviceError when it has none."""
+    files = _family_graph_files(Path(model_dir))
     if not files:
         raise DeviceError(f"{model_dir} has no readable manifest with graphs")
+    return files
+
+
+def compile_shared_context(model_dir: Path, *, options: DeviceOptions,
+                           on_graph: Callable[[Path], None] | None = None) -> Path:
+    """Every graph of the family at model_dir into one QNN context binary whose graphs share their weights
+    (one session group: ep.share_ep_contexts, the last with ep.stop_share_ep_contexts). Returns its directory
+    under .qnn_cache; a device loads it instead of compiling (see qnn_context.py). on_graph(file) runs after
+    each graph is compiled (progress)."""
+    model_dir = Path(model_dir)
+    files = family_graph_files(model_dir)
     key = qnn_context.cache_key(list(files), options.soc_model, _qnn_version())
     out = qnn_context.shared_context_dir(model_dir / ".qnn_cache", key)
     if qnn_context.is_complete(out, list(files)):
@@ -141,12 +150,29 @@ def compile_shared_context(model_dir: Path, *, options: DeviceOptions) -> Path:
             so.add_session_config_entry(k, v)
         try:
             ort.InferenceSession(str(f), sess_options=so)
-        except Exception as e:
+        except BaseException as e:  # Ctrl-C included: no half-compiled group is left behind
             shutil.rmtree(tmp, ignore_errors=True)
+            if not isinstance(e, Exception):
+                raise
             raise DeviceError(f"the HTP backend could not compile {f.name}: {str(e).splitlines()[0][:300]}") from None
+        if on_graph is not None:
+            on_graph(f)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def compile_graph_contexts(model_dir: Path, *, options: DeviceOptions,
+                           on_graph: Callable[[Path], None] | None = None) -> Path:
+    """Each graph of the family into its own cached context (what the x86_64 emulator loads), so that no later
+    load pays for graph finalization. Graphs already compiled are skipped. Returns the cache directory."""
+    model_dir = Path(model_dir)
+    cache_dir = model_dir / ".qnn_cache"
+    for f in family_graph_files(model_dir):
+        _create_htp_session(f, options=options, cache_dir=cache_dir, use_shared=False)
+        if on_graph is not None:
+            on_graph(f)
+    return cache_dir
 
 
 def _shared_context_for(path: Path, cache_dir: Path, options: DeviceOptions) -> Path | None:
@@ -161,11 +187,12 @@ def _shared_context_for(path: Path, cache_dir: Path, options: DeviceOptions) -> 
     return qnn_context.shared_context_model(shared, path) if qnn_context.is_complete(shared, list(files)) else None
 
 
-def _create_htp_session(path: Path, *, options: DeviceOptions, cache_dir: Path | None) -> ort.InferenceSession:
+def _create_htp_session(path: Path, *, options: DeviceOptions, cache_dir: Path | None,
+                        use_shared: bool = True) -> ort.InferenceSession:
     so = _htp_session_options(options)
     load = path
     if cache_dir is not None:
-        shared = _shared_context_for(path, cache_dir, options)
+        shared = _shared_context_for(path, cache_dir, options) if use_shared else None
         if shared is not None:
             load = shared  # this session takes its graph from the one binary the family shares
             so.add_session_config_entry("ep.share_ep_contexts", "1")

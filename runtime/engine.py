@@ -136,7 +136,8 @@ class Engine:
             self.kv.advance(0)
 
     def load_all(self) -> None:
-        for entry in (*self._decode, *self._prefill, *(g for ladder in self._verify.values() for g in ladder)):
+        for entry in (*self._sink, *self._decode, *self._prefill,
+                      *(g for ladder in self._verify.values() for g in ladder)):
             self.runner(entry)
 
     def _rung(self, graphs: tuple[GraphEntry, ...], num_valid: int) -> GraphEntry:

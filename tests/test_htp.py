@@ -351,18 +351,41 @@ def test_htp_emulator_matches_cpu_ep(family, request, tmp_path):
 
 
 @pytest.mark.htp
-def test_shared_context_compiles_one_binary_for_the_family(tiny_q16, tmp_path):
+def test_compile_writes_one_shared_binary_for_the_family(tiny_q16, tmp_path):
     reason = _htp_available()
     if reason:
         pytest.skip(reason)
-    from staticlm.runtime.device import compile_shared_context
-
     directory = tmp_path / "family"
     shutil.copytree(tiny_q16, directory)
-    out = compile_shared_context(directory, options=HTP)
+    proc = staticlm("compile", "--model", directory, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    (out,) = (directory / ".qnn_cache").glob("shared.*")
     graphs = sorted(p.stem for p in directory.glob("*.onnx"))
     assert sorted(p.name[:-len("_ctx.onnx")] for p in out.glob("*_ctx.onnx")) == graphs
     assert len(list(out.glob("*.bin"))) == 1  # N graphs, one context binary: N + 1 files
+
+
+@pytest.mark.htp
+def test_compile_per_graph_contexts_are_what_later_loads_use(tiny_q16, tmp_path):
+    """After `compile --per-graph`, an HTP engine compiles nothing: every session comes from a cached context."""
+    reason = _htp_available()
+    if reason:
+        pytest.skip(reason)
+    directory = tmp_path / "family"
+    shutil.copytree(tiny_q16, directory)
+    assert staticlm("compile", "--model", directory, "--per-graph", "--quiet").returncode == 0
+    cache = directory / ".qnn_cache"
+    compiled = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    graphs = {p.stem for p in directory.glob("*.onnx")}
+    assert {n.split(".")[0] for n in compiled if n.endswith("_ctx.onnx")} == graphs
+    engine = Engine(directory, options=EngineOptions(device=HTP))
+    engine.load_all()
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == compiled  # nothing new, nothing rewritten
+
+
+def test_compile_refuses_a_float_family(tiny_family, tmp_path):
+    assert_one_line_error(staticlm("compile", "--model", tiny_family), "not an HTP family")
+    assert_one_line_error(staticlm("compile", "--model", tmp_path / "none"), "does not exist")
 
 
 # -- SmolLM2 on the CPU EP ---------------------------------------------------------------------------------
