@@ -188,14 +188,20 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
     entry = template_entry(fm.graphs)
     pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
     float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
-    grid = grid_overrides(grid_weights(float_proto), float_proto)
+    on_grid = grid_weights(float_proto)
+    grid = grid_overrides(on_grid, float_proto)
     qpath = work / "q" / entry.file
     qpath.parent.mkdir()
     ranges = quantize_graph(float_dir / entry.file, qpath, reader=_step_reader(fm, steps, fq=fq, config=config),
                             quant=quant.quant, pinned=pinned,
                             weight_overrides={**weight_overrides(quant.quant, config), **grid, **(rounded or {})})
     proto = strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned)
-    to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, bits=8 if quant.quant is Quant.W8A16 else 4)
+    # 4-bit weights of a float source go per block too: per channel, SmolLM2 w4a16 agreed with float on 46 %
+    # of 300 tokens. 8-bit ones stay per channel, GPTQ-rounded (`rounded`).
+    four_bit = quant.quant is Quant.W4A16
+    float_blocks = frozenset(set(_projection_weights(config)) - set(on_grid)) if four_bit else frozenset()
+    to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, bits=8 if quant.quant is Quant.W8A16 else 4,
+                     float_blocks=float_blocks)
     shared.absorb(proto)
     shutil.rmtree(qpath.parent)
     return _Template(proto=proto, float_proto=float_proto, ranges=ranges,

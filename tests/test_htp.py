@@ -57,6 +57,11 @@ def tiny_grid4(tiny_hf_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_w4(tiny_hf_dir, tmp_path_factory) -> Path:
+    return _export(tiny_hf_dir, tmp_path_factory.mktemp("tiny_w4") / "family", quant=Quant.W4A16)
+
+
+@pytest.fixture(scope="session")
 def tiny_q16(tiny_hf_dir, tmp_path_factory) -> Path:
     return _export(tiny_hf_dir, tmp_path_factory.mktemp("tiny_q16") / "family")
 
@@ -302,6 +307,38 @@ def test_q4_1_source_keeps_its_grid(family, levels_type, request, tiny_hf_dir):
             assert np.abs(rebuilt - expected).max() <= offsets_step, np.abs(rebuilt - expected).max()
 
 
+def test_w4a16_of_a_float_source_rounds_each_block_to_nearest(tiny_w4, tiny_hf_dir):
+    """Read from the ONNX file: a float checkpoint's projections become blockwise (32 inputs) int4 with a positive
+    scale and zero offset, and every weight lands within half a step of the checkpoint's own value (safetensors,
+    not our loader); no block is coarser than one scale per output column would be."""
+    from onnx.reference import ReferenceEvaluator
+    from safetensors.numpy import load_file
+
+    model = onnx.load(str(tiny_w4 / "decode_s64.onnx"))
+    inits = {i.name: i for i in model.graph.initializer}
+    source = {}
+    for f in tiny_hf_dir.glob("*.safetensors"):
+        source.update(load_file(f))
+    for layer in range(2):
+        for ours, theirs in ((f"l{layer}.o", "self_attn.o_proj"), (f"l{layer}.down", "mlp.down_proj")):
+            node = next(n for n in model.graph.node if n.op_type == "DequantizeLinear"
+                        and n.input[0] == f"{ours}_quantized")
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs == {"axis": 0, "block_size": 32}, attrs
+            assert inits[node.input[0]].data_type == onnx.TensorProto.INT4
+            scales = numpy_helper.to_array(inits[node.input[1]])  # [K/32, N]
+            assert (scales > 0).all() and not numpy_helper.to_array(inits[node.input[2]]).any()
+            single = helper.make_model(helper.make_graph(
+                [node], "dq", [], [helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)],
+                [inits[i] for i in node.input]), opset_imports=[helper.make_opsetid("", 21)])
+            rebuilt = ReferenceEvaluator(single).run(None, {})[0]
+            expected = source[f"model.layers.{layer}.{theirs}.weight"].astype(np.float32).T  # [K, N]
+            step = np.repeat(scales, 32, axis=0)
+            assert (np.abs(rebuilt - expected) <= step / 2 * (1 + 1e-5)).all()
+            per_channel = np.abs(expected).max(axis=0) / 7  # symmetric 4-bit, one scale per output column
+            assert (step <= per_channel * (1 + 1e-6)).all() and step.mean() < per_channel.mean()
+
+
 def _htp_available() -> str | None:
     """None where onnxruntime-qnn imports; otherwise the reason to skip (anything else must fail, not skip)."""
     import importlib
@@ -314,7 +351,7 @@ def _htp_available() -> str | None:
 
 
 @pytest.mark.htp
-@pytest.mark.parametrize("family", ["tiny_q16", "tiny_q8", "tiny_grid4"])
+@pytest.mark.parametrize("family", ["tiny_q16", "tiny_q8", "tiny_grid4", "tiny_w4"])
 def test_htp_emulator_matches_cpu_ep(family, request, tmp_path):
     """Every node on HTP (CPU fallback disabled: session creation fails otherwise), through the real Engine
     and kv_manager: a prompt chunk, then decode steps; logits within a few 16-bit steps, KV integers within
