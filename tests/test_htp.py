@@ -350,17 +350,23 @@ def _htp_available() -> str | None:
     return None
 
 
+def _htp_copy(family: Path, tmp_path: Path) -> Path:
+    """A copy of the family for the HTP emulator: its compiled contexts go into the copy's cache."""
+    reason = _htp_available()
+    if reason:
+        pytest.skip(reason)
+    directory = tmp_path / "family"
+    shutil.copytree(family, directory)
+    return directory
+
+
 @pytest.mark.htp
 @pytest.mark.parametrize("family", ["tiny_q16", "tiny_q8", "tiny_grid4", "tiny_w4"])
 def test_htp_emulator_matches_cpu_ep(family, request, tmp_path):
     """Every node on HTP (CPU fallback disabled: session creation fails otherwise), through the real Engine
     and kv_manager: a prompt chunk, then decode steps; logits within a few 16-bit steps, KV integers within
     a few steps of their own type."""
-    reason = _htp_available()
-    if reason:
-        pytest.skip(reason)
-    directory = tmp_path / "family"
-    shutil.copytree(request.getfixturevalue(family), directory)  # the compiled contexts go into its cache
+    directory = _htp_copy(request.getfixturevalue(family), tmp_path)
     ids = np.frombuffer(TEXT, np.uint8).astype(np.int64)
     cpu, htp = (Engine(directory, options=EngineOptions(device=d)) for d in (CPU, HTP))
     worst_logits = 0.0
@@ -389,11 +395,7 @@ def test_htp_emulator_matches_cpu_ep(family, request, tmp_path):
 
 @pytest.mark.htp
 def test_compile_writes_one_shared_binary_for_the_family(tiny_q16, tmp_path):
-    reason = _htp_available()
-    if reason:
-        pytest.skip(reason)
-    directory = tmp_path / "family"
-    shutil.copytree(tiny_q16, directory)
+    directory = _htp_copy(tiny_q16, tmp_path)
     proc = staticlm("compile", "--model", directory, "--quiet")
     assert proc.returncode == 0, proc.stderr
     (out,) = (directory / ".qnn_cache").glob("shared.*")
@@ -405,11 +407,7 @@ def test_compile_writes_one_shared_binary_for_the_family(tiny_q16, tmp_path):
 @pytest.mark.htp
 def test_compile_per_graph_contexts_are_what_later_loads_use(tiny_q16, tmp_path):
     """After `compile --per-graph`, an HTP engine compiles nothing: every session comes from a cached context."""
-    reason = _htp_available()
-    if reason:
-        pytest.skip(reason)
-    directory = tmp_path / "family"
-    shutil.copytree(tiny_q16, directory)
+    directory = _htp_copy(tiny_q16, tmp_path)
     assert staticlm("compile", "--model", directory, "--per-graph", "--quiet").returncode == 0
     cache = directory / ".qnn_cache"
     compiled = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
