@@ -15,8 +15,8 @@ from staticlm.runtime.qnn_context import EMULATOR
 from .common import UserError
 
 
-def _size_mb(directory: Path, pattern: str) -> float:
-    return sum(p.stat().st_size for p in directory.glob(pattern)) / 1e6
+def _binaries_mb(directory: Path) -> float:
+    return sum(p.stat().st_size for p in directory.glob("*.bin")) / 1e6
 
 
 def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: bool = False) -> Path:
@@ -38,7 +38,7 @@ def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: b
         compile_ = compile_graph_contexts if per_graph else compile_shared_context
         out = compile_(model, options=options, on_graph=done)
     if not quiet:
-        print(f"compiled {len(files)} graphs of {model} into {out} ({_size_mb(out, '*.bin'):.1f} MB of context "
+        print(f"compiled {len(files)} graphs of {model} into {out} ({_binaries_mb(out):.1f} MB of context "
               f"binaries) in {time.perf_counter() - t0:.1f} s")
         if not per_graph and EMULATOR:
             print("note: the x86_64 emulator cannot load a multi-graph context; it is for the device. "

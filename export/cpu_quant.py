@@ -16,9 +16,9 @@ rounding error, which is small there (tiny test model: 5.06 % -> 5.02 % logit er
 from __future__ import annotations
 
 import numpy as np
+from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
 from .source_grid import block_indicator
-from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, *, zero_points: np.ndarray | None, bits: int,
