@@ -136,7 +136,8 @@ def _quant_args(args) -> dict:
 
 def dispatch(args) -> int:
     if args.command == "export":
-        from .cmd_export import run_export
+        from staticlm.apps.commands.export import run_export
+
         from .common import DEFAULT_MODEL, default_model_dir
 
         out = args.out or (default_model_dir() if args.model == DEFAULT_MODEL else Path(Path(args.model).stem + "-staticlm"))
@@ -145,42 +146,42 @@ def dispatch(args) -> int:
                    quiet=args.quiet, **_quant_args(args))
         return 0
     if args.command == "eval":
-        from .cmd_eval import run_eval
+        from staticlm.apps.commands.eval import run_eval
 
         return run_eval(model=args.model, reference=args.reference, text=args.text, max_tokens=args.max_tokens,
                         num_answers=args.answers, device=args.device, as_json=args.json)
     if args.command == "compile":
-        from .cmd_compile import run_compile
+        from staticlm.apps.commands.compile import run_compile
 
         run_compile(model=args.model, soc_model=args.soc_model, per_graph=args.per_graph, quiet=args.quiet)
         return 0
     if args.command == "generate" and args.num_responses != 1:
-        from .cmd_generate_batch import run_generate_batch
+        from staticlm.apps.commands.generate_batch import run_generate_batch
 
         run_generate_batch(prompt=args.prompt, run=_run_options(args), params=_generation_params(args),
                            num_responses=args.num_responses, chat=args.chat, system_prompt=args.system,
                            as_json=args.json)
         return 0
     if args.command == "generate":
-        from .cmd_generate import run_generate
+        from staticlm.apps.commands.generate import run_generate
 
         run_generate(prompt=args.prompt, run=_run_options(args), params=_generation_params(args), chat=args.chat,
                      system_prompt=args.system, as_json=args.json)
         return 0
     if args.command == "chat":
-        from .terminal_chat import run_chat
+        from staticlm.apps.commands.chat import run_chat
 
         return run_chat(run=_run_options(args), params=_generation_params(args), system_prompt=args.system)
     if args.command == "bench":
-        from .bench_types import BenchOptions, parse_contexts, parse_peers
-        from .cmd_bench import run_bench
+        from staticlm.apps.bench.base import BenchOptions, parse_contexts, parse_peers
+        from staticlm.apps.bench.command import run_bench
 
         run_bench(BenchOptions(model_dir=args.model, threads=args.threads, contexts=parse_contexts(args.contexts),
                                prompt_len=args.prompt_len, peers=parse_peers(args.peers), out_dir=args.out,
                                quick=args.quick, long_gen=args.long_gen, windows_model=args.windows_model))
         return 0
     if args.command == "app":
-        from .gui_app import launch
+        from staticlm.apps.gui.app import launch
 
         typed = {k: v for k, v in vars(args).items() if k != "command"}
         full = argparse.Namespace(**{**vars(build_parser().parse_args(["chat"])), **typed})  # chat's defaults
@@ -190,12 +191,12 @@ def dispatch(args) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from staticlm.export.config import UnsupportedModel
     from staticlm.export.family import ExportError
-    from staticlm.export.manifest import ManifestError
-    from staticlm.export.sources import ModelSourceError
+    from staticlm.export.sources.load import ModelSourceError
     from staticlm.kv_manager import ContextFull
     from staticlm.runtime.device import DeviceError
+    from staticlm.runtime.family.config import UnsupportedModel
+    from staticlm.runtime.family.manifest import ManifestError
 
     from .common import UserError
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nstaticlm: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:
-        from .cmd_generate import Interrupted
+        from staticlm.apps.commands.generate import Interrupted
 
         if isinstance(e, Interrupted):
             print(f"\nstaticlm: {e}", file=sys.stderr)

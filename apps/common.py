@@ -5,11 +5,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from staticlm.export.manifest import load_manifest
 from staticlm.kv_manager import Overflow, Strategy
 from staticlm.runtime.chat import ChatSession, TemplateInfo
 from staticlm.runtime.device import DeviceOptions, parse_device
 from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.family.manifest import load_manifest
 from staticlm.runtime.generator import Generator
 from staticlm.runtime.speculate_options import SpeculateOptions, build_speculator
 from staticlm.runtime.tokenizer import Tokenizer
@@ -53,7 +53,7 @@ def ensure_default_model(*, quiet: bool = False) -> Path:
     target = default_model_dir()
     if (target / "manifest.json").is_file():
         return target
-    from .cmd_export import run_export
+    from staticlm.apps.commands.export import run_export
 
     if not quiet:
         print(f"First run: exporting the default model ({DEFAULT_MODEL}) to {target}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .sources import LoadedModel
+from staticlm.export.sources.load import LoadedModel
 
 
 def truncate_layers(model: LoadedModel, num_layers: int) -> LoadedModel:

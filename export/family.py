@@ -10,11 +10,12 @@ from pathlib import Path
 
 import onnx
 
-from .contract import GraphShape, graph_io
-from .htp_graph import HTPLlamaGraph, write_htp_weights
-from .llama_graph import LlamaGraph, write_weights
-from .manifest import GraphEntry, GraphKind, Manifest, SpecialTokens, file_sha256
-from .sources import LoadedModel
+from staticlm.export.graph.llama import LlamaGraph, write_weights
+from staticlm.export.htp.graph import HTPLlamaGraph, write_htp_weights
+from staticlm.export.sources.load import LoadedModel
+from staticlm.runtime.family.contract import GraphShape, graph_io
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, SpecialTokens, file_sha256
+
 from .weight_file import WeightFileWriter
 
 WEIGHTS_FILE = "weights.bin"

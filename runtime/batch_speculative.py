@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .sampling import SamplingParams
-from .speculative import (DraftLength, Drafter, SpeculationStats, accept_draft, fit_to_verify_graphs,
-                          speculation_pays)
+from .speculative import Drafter, DraftLength, SpeculationStats, accept_draft, fit_to_verify_graphs, speculation_pays
 
 PAD_TOKEN = 0  # fills the rows past a sequence's own draft; causal masking keeps real rows from seeing them
 

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
-from staticlm.export.contract import KVLayout, graph_io, num_kv_tensors
-from staticlm.export.manifest import GraphEntry, GraphKind, Manifest, load_manifest
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow, Strategy, attention_bias, make_kv_cache
+from staticlm.runtime.family.contract import KVLayout, graph_io, num_kv_tensors
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, load_manifest
+from staticlm.runtime.family.weights import SharedWeights
 
 from .device import Device, DeviceOptions, create_session, resolve_device
 from .graph_runner import GraphRunner
 from .in_place_runner import InPlaceRunner
 from .ladder import ladder_step, rung_past_len
 from .rope import RopeTable
-from .shared_weights import SharedWeights
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from enum import Enum
 
 import numpy as np
 
+from .detokenizer import StreamDecoder
 from .engine import Engine
 from .sampling import SamplingParams, sample
 from .stopping import StopStringMatcher
-from .detokenizer import StreamDecoder
 from .tokenizer import Tokenizer
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
-from staticlm.export.contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role
-from staticlm.export.manifest import GraphEntry
-from staticlm.export.quant_params import FamilyQuant
+from staticlm.runtime.family.contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role
+from staticlm.runtime.family.manifest import GraphEntry
+from staticlm.runtime.family.quant_params import FamilyQuant
 
 
 def _kv_order(specs, roles, num_kv_heads: int):

@@ -10,8 +10,8 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
-from staticlm.export.contract import BUFFER_OUTPUT_ROLES, KV_INPUT_ROLES, Role
-from staticlm.export.manifest import GraphEntry
+from staticlm.runtime.family.contract import BUFFER_OUTPUT_ROLES, KV_INPUT_ROLES, Role
+from staticlm.runtime.family.manifest import GraphEntry
 
 
 class InPlaceRunner:

@@ -66,7 +66,7 @@ def tiny_hf_model(tiny_hf_dir):
 @pytest.fixture(scope="session")
 def tiny_family(tiny_hf_dir, tmp_path_factory) -> Path:
     from staticlm.export.family import ExportOptions, export_family
-    from staticlm.export.sources import load_model
+    from staticlm.export.sources.load import load_model
 
     out = tmp_path_factory.mktemp("tiny_family") / "family"
     export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,)))
@@ -77,7 +77,7 @@ def tiny_family(tiny_hf_dir, tmp_path_factory) -> Path:
 def tiny_chat_family(tiny_hf_dir, tmp_path_factory) -> Path:
     """Contexts long enough for a few chat turns of the byte-level tiny tokenizer."""
     from staticlm.export.family import ExportOptions, export_family
-    from staticlm.export.sources import load_model
+    from staticlm.export.sources.load import load_model
 
     out = tmp_path_factory.mktemp("tiny_chat") / "family"
     export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=(256, 512), prefill_len=16, verify_lens=(4, 8)))
@@ -91,7 +91,7 @@ def rng() -> np.random.Generator:
 
 @pytest.fixture(scope="session")
 def smollm2_loaded():
-    from staticlm.export.sources import load_model
+    from staticlm.export.sources.load import load_model
 
     return load_model("smollm2-135m")
 
@@ -134,6 +134,6 @@ def smollm2_tokenizer(smollm2_family):
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The default model's GGUF file (fetched into the staticlm cache on first use)."""
-    from staticlm.export.sources import default_gguf_path
+    from staticlm.export.sources.load import default_gguf_path
 
     return default_gguf_path()

@@ -86,7 +86,7 @@ def test_microbench_choice_matches_the_model_on_the_measured_constants(quick_run
 
 
 def test_ratio_is_a_speed_ratio():
-    from staticlm.apps.bench_types import Row
+    from staticlm.apps.bench.base import Row
 
     faster = Row("decode@128", "d", "tok/s", 120.0, peers={"genai": 100.0})
     quicker = Row("ttft", "t", "ms", 50.0, higher_is_better=False, peers={"genai": 100.0})
@@ -117,8 +117,8 @@ def test_bad_threads_and_prompt_len(tiny_family):
 
 
 def test_row_sets_are_pluggable_and_a_failing_one_is_reported(tiny_family, tmp_path):
-    from staticlm.apps.bench_types import BenchOptions, Row
-    from staticlm.apps.cmd_bench import run_bench
+    from staticlm.apps.bench.base import BenchOptions, Row
+    from staticlm.apps.bench.command import run_bench
 
     def custom(ctx):
         return [Row("custom.tokens", "text tokens", "tokens", float(len(ctx.text_ids)))]
@@ -134,8 +134,8 @@ def test_row_sets_are_pluggable_and_a_failing_one_is_reported(tiny_family, tmp_p
 
 
 def test_a_peer_that_is_not_installed_is_skipped_with_a_reason(monkeypatch, tmp_path):
-    from staticlm.apps import bench_peers
-    from staticlm.apps.bench_types import Peer
+    from staticlm.apps.bench import peers as bench_peers
+    from staticlm.apps.bench.base import Peer
 
     monkeypatch.setitem(bench_peers.PEER_MODULES, Peer.TRANSFORMERS, ("no_such_module_for_staticlm",))
     with pytest.raises(bench_peers.PeerUnavailable, match="not installed"):

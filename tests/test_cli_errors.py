@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from staticlm.export.manifest import file_sha256
+from staticlm.runtime.family.manifest import file_sha256
 
 
 def staticlm(*args, timeout=300, env=None):

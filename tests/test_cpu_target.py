@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-
 from conftest import TINY_CONTEXTS, TINY_PREFILL
 from reference import graph_feeds, hf_step
 
@@ -21,10 +20,10 @@ MS = "com.microsoft"
 
 
 def export_tiny(hf_dir, out: Path, **cpu_kw) -> Path:
-    from staticlm.export.cpu_family import export_cpu_family
-    from staticlm.export.cpu_graph import CpuOptions
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.graph import CpuOptions
     from staticlm.export.family import ExportOptions
-    from staticlm.export.sources import load_model
+    from staticlm.export.sources.load import load_model
 
     export_cpu_family(load_model(hf_dir), out, cpu=CpuOptions(**cpu_kw),
                       options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,)))
@@ -34,7 +33,7 @@ def export_tiny(hf_dir, out: Path, **cpu_kw) -> Path:
 @pytest.fixture(scope="module")
 def cpu_families(tiny_hf_dir, tmp_path_factory) -> dict[str, Path]:
     """GroupQueryAttention (in-place KV, the default) families, and two with per-head windows."""
-    from staticlm.export.cpu_graph import CpuAttention, WeightBits
+    from staticlm.export.cpu.graph import CpuAttention, WeightBits
 
     root = tmp_path_factory.mktemp("tiny_cpu")
     windows = CpuAttention.WINDOWS
@@ -331,9 +330,9 @@ def test_window_strategy_on_an_in_place_family_is_a_one_line_error(cpu_families)
 # -- SmolLM2 ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_int4_top1_agrees_with_float_on_the_eval_text(smollm2_loaded, tmp_path):
-    from staticlm.export.cpu_family import export_cpu_family
-    from staticlm.export.family import ExportOptions, export_family
     from staticlm.apps.common import open_tokenizer
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.family import ExportOptions, export_family
 
     options = ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(), batch_sizes=())
     export_family(smollm2_loaded, tmp_path / "float", options=options)

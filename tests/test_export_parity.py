@@ -5,9 +5,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-
 from reference import cache_kv, graph_feeds, hf_step
-from staticlm.export.manifest import GraphKind, load_manifest
+
+from staticlm.runtime.family.manifest import GraphKind, load_manifest
 
 LOGITS_ATOL = 1e-3
 KV_RTOL = 1e-4

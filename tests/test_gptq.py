@@ -6,7 +6,7 @@ import pytest
 from onnxruntime.quantization import QuantType
 from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType, quantize_data
 
-from staticlm.export import gptq
+from staticlm.export.htp import gptq
 
 
 def _layer(seed: int, *, num_in: int = 96, num_out: int = 40, num_rows: int = 1024):

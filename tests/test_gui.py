@@ -34,7 +34,7 @@ def home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def base_settings(tiny_chat_family):
-    from staticlm.apps.gui_settings import AppSettings
+    from staticlm.apps.gui.settings import AppSettings
 
     # ignore_eos: the random tiny model may end an answer at any token; the tests need answers of known length.
     return AppSettings(model_dir=str(tiny_chat_family), device=Device.CPU, temperature=0.0, max_new_tokens=24,
@@ -43,7 +43,7 @@ def base_settings(tiny_chat_family):
 
 @pytest.fixture
 def make_window(qtbot, home):
-    from staticlm.apps.gui_main import MainWindow
+    from staticlm.apps.gui.window import MainWindow
 
     def make(settings, *, load: bool = True):
         window = MainWindow(settings)
@@ -181,7 +181,7 @@ def test_kv_view_numbers_are_the_kv_managers(qtbot, make_window, base_settings):
 
 
 def test_corrupt_history_file_is_set_aside_with_a_warning(qtbot, make_window, base_settings, home):
-    from staticlm.apps.gui_history import Conversation, ConversationStore
+    from staticlm.apps.gui.history import Conversation, ConversationStore
 
     store = ConversationStore()
     good = Conversation(messages=[{"role": "user", "content": "kept"}, {"role": "assistant", "content": "yes"}])
@@ -224,13 +224,14 @@ def test_closing_mid_answer_exits_cleanly(qtbot, make_window, base_settings):
 
 
 def test_app_falls_back_to_the_terminal_without_a_display(monkeypatch, capsys):
-    from staticlm.apps import cli, gui_app
+    from staticlm.apps import cli
+    from staticlm.apps.gui import app as gui_app
 
     for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(gui_app.sys, "platform", "linux")
     calls = []
-    monkeypatch.setattr("staticlm.apps.terminal_chat.run_chat", lambda **kw: calls.append(kw) or 0)
+    monkeypatch.setattr("staticlm.apps.commands.chat.run_chat", lambda **kw: calls.append(kw) or 0)
     assert cli.main(["app", "--device", "cpu", "--temperature", "0.3"]) == 0
     assert calls and calls[0]["run"].device == "cpu" and calls[0]["params"].sampling.temperature == 0.3
     err = capsys.readouterr().err.strip().splitlines()
@@ -239,8 +240,8 @@ def test_app_falls_back_to_the_terminal_without_a_display(monkeypatch, capsys):
 
 def test_cli_options_override_the_saved_settings():
     from staticlm.apps.cli import build_parser
-    from staticlm.apps.gui_app import settings_with
-    from staticlm.apps.gui_settings import AppSettings
+    from staticlm.apps.gui.app import settings_with
+    from staticlm.apps.gui.settings import AppSettings
 
     args = build_parser().parse_args(["app", "--device", "cpu", "--on-overflow", "error", "--max-new-tokens", "9"])
     typed = {k: v for k, v in vars(args).items() if k != "command"}
@@ -264,12 +265,12 @@ def test_screenshot_mid_conversation(qtbot, make_window, base_settings, tiny_cha
     if shutil.which("xvfb-run"):
         env = {**os.environ, "QT_QPA_PLATFORM": "xcb", "STATICLM_HOME": str(home)}
         proc = subprocess.run(
-            ["xvfb-run", "-a", "-s", "-screen 0 1280x800x24", sys.executable, "-m", "staticlm.apps.gui_screenshot",
+            ["xvfb-run", "-a", "-s", "-screen 0 1280x800x24", sys.executable, "-m", "staticlm.apps.gui.screenshot",
              "--model", str(tiny_chat_family), "--out", str(out), "--screen"],
             env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
     else:  # no Xvfb on this machine (see `make xvfb`): render the window offscreen instead
-        from staticlm.apps.gui_screenshot import capture
+        from staticlm.apps.gui.screenshot import capture
 
         window = make_window(replace(base_settings, temperature=1.5, max_new_tokens=4000), load=False)
         window.resize(1280, 800)

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
-
 from conftest import TINY_CONTEXTS, TINY_PREFILL
+from onnx import helper, numpy_helper
+from test_cli_errors import assert_one_line_error, staticlm
+
 from staticlm.export.family import ExportOptions, export_family
-from staticlm.export.quant_params import KVBits, Quant, QuantOptions
 from staticlm.runtime.device import Device, DeviceOptions
 from staticlm.runtime.engine import Engine, EngineOptions
-from test_cli_errors import assert_one_line_error, staticlm
+from staticlm.runtime.family.quant_params import KVBits, Quant, QuantOptions
 
 CPU = DeviceOptions(device=Device.CPU, num_threads=2)
 HTP = DeviceOptions(device=Device.HTP)
@@ -26,8 +26,8 @@ TEXT = b"Every winter the harbour town grows quiet; the ferries run less."  # 56
 
 
 def _export(hf_dir: Path, out: Path, *, q4_1_source: bool = False, **quant) -> Path:
-    from staticlm.export.qdq_family import export_quantized_family
-    from staticlm.export.sources import load_model
+    from staticlm.export.htp.family import export_quantized_family
+    from staticlm.export.sources.load import load_model
 
     model = load_model(hf_dir)
     if q4_1_source:  # the projections as a Q4_1 GGUF holds them (the gguf package's quantizer)
@@ -141,8 +141,8 @@ def test_kv_boundary_is_integer_and_pairs_share_parameters(family, kv_dtype, req
 
 
 def test_manifest_agrees_with_the_files(tiny_q16):
-    from staticlm.export.contract import kv_tensor_index
-    from staticlm.export.manifest import load_manifest
+    from staticlm.runtime.family.contract import kv_tensor_index
+    from staticlm.runtime.family.manifest import load_manifest
 
     m = load_manifest(tiny_q16)
     b = file_boundary(tiny_q16 / m.graphs[0].file)
@@ -202,7 +202,7 @@ def test_weights_per_channel_with_a_16_bit_head(tiny_q16):
 def test_first_token_runs_alone_in_its_own_sink_graph(tiny_q16):
     """A sequence's first token has activations of its own kind (SmolLM2: massive ones), so it has a graph
     calibrated on first tokens only; every later token runs in graphs calibrated without them."""
-    from staticlm.export.manifest import GraphKind, load_manifest
+    from staticlm.runtime.family.manifest import GraphKind, load_manifest
 
     manifest = load_manifest(tiny_q16)
     (sink,) = manifest.graphs_of(GraphKind.SINK)
@@ -227,9 +227,9 @@ def test_sink_recalibration_equals_a_second_quantizer_pass(kv_bits, tiny_hf_dir,
     on SmolLM2); ONNX Runtime's quantizer run on the first tokens is the reference, parameter for parameter."""
     import dataclasses
 
-    from staticlm.export import qdq_family as qf
-    from staticlm.export.calibration import record_traces
-    from staticlm.export.sources import load_model
+    from staticlm.export.htp import family as qf
+    from staticlm.export.htp.calibration import record_traces
+    from staticlm.export.sources.load import load_model
     from staticlm.export.weight_file import WeightFileWriter
 
     loaded = load_model(tiny_hf_dir)
@@ -280,7 +280,7 @@ def test_q4_1_source_keeps_its_grid(family, levels_type, request, tiny_hf_dir):
     offsets, and together they give back the gguf package's Q4_1 weights, so no weight was rounded again."""
     from onnx.reference import ReferenceEvaluator
 
-    from staticlm.export.sources import load_model
+    from staticlm.export.sources.load import load_model
 
     directory = request.getfixturevalue(family)
     model = onnx.load(str(directory / "decode_s64.onnx"))  # weights loaded from the family's file
@@ -427,11 +427,10 @@ def test_compile_refuses_a_float_family(tiny_family, tmp_path):
 @pytest.mark.slow
 def test_smollm2_w8a16_agreement(smollm2_loaded, tmp_path):
     """A shortened `staticlm eval`: the smallest family that holds a 300-token window, teacher-forced."""
+    from staticlm.apps.commands.eval_metrics import compare, held_out_text
     from staticlm.apps.common import open_tokenizer
-    from staticlm.apps.eval_metrics import compare, held_out_text
-    from staticlm.export.qdq_family import export_quantized_family
-
-    from staticlm.export.calibration import calibration_prompts
+    from staticlm.export.htp.calibration import calibration_prompts
+    from staticlm.export.htp.family import export_quantized_family
 
     options = ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(), batch_sizes=())
     export_family(smollm2_loaded, tmp_path / "float", options=options)
@@ -480,10 +479,10 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
     """Calibration steps cover the positions the family serves (short chats alone stop near their own length),
     a step that keeps only a window's worth of its past feeds that window exactly as the whole past does, and
     the padding rows of a short step repeat its last row."""
-    from staticlm.export import qdq_family as qf
-    from staticlm.export.calibration import StepFeeds, record_traces
-    from staticlm.export.qdq_template import template_entry
-    from staticlm.export.sources import load_model
+    from staticlm.export.htp import family as qf
+    from staticlm.export.htp.calibration import StepFeeds, record_traces
+    from staticlm.export.htp.template import template_entry
+    from staticlm.export.sources.load import load_model
 
     loaded = load_model(tiny_hf_dir)
     contexts = (32, 512)  # the short chats (~130 byte tokens here) reach past the tiny families' 64
@@ -533,7 +532,7 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
 
 
 def _kv_outputs(entry, num_kv_heads: int) -> list[tuple[str, int]]:
-    from staticlm.export.contract import KV_OUTPUT_ROLES, kv_tensor_index
+    from staticlm.runtime.family.contract import KV_OUTPUT_ROLES, kv_tensor_index
     return [(s.name, kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=s.role == KV_OUTPUT_ROLES[1],
                                      num_kv_heads=num_kv_heads)) for s in entry.outputs if s.role in KV_OUTPUT_ROLES]
 
@@ -543,9 +542,9 @@ def test_calibration_replay_chunks_recompute_the_conversation(tiny_hf_dir, tmp_p
     through the widest prefill graph, writes the same K/V rows the engine wrote while decoding them."""
     import onnxruntime as ort
 
-    from staticlm.export import qdq_family as qf
-    from staticlm.export.calibration import StepFeeds, record_traces
-    from staticlm.export.sources import load_model
+    from staticlm.export.htp import family as qf
+    from staticlm.export.htp.calibration import StepFeeds, record_traces
+    from staticlm.export.sources.load import load_model
 
     loaded = load_model(tiny_hf_dir)
     options = ExportOptions(contexts=(32, 512), prefill_len=TINY_PREFILL, verify_lens=(), htp_style=True,

@@ -6,8 +6,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staticlm.kv_manager import (MASK_VALUE, ContextFull, KVSpec, Overflow, Strategy, attention_bias,
-                                 choose_bmc_r, dequantize_bias, kv_bytes, make_kv_cache, quantize_bias)
+from staticlm.kv_manager import (
+    MASK_VALUE,
+    ContextFull,
+    KVSpec,
+    Overflow,
+    Strategy,
+    attention_bias,
+    choose_bmc_r,
+    dequantize_bias,
+    kv_bytes,
+    make_kv_cache,
+    quantize_bias,
+)
 
 ALL = [s for s in Strategy if s is not Strategy.IN_PLACE]  # the window strategies
 

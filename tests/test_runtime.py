@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from reference import hf_greedy
+
 from staticlm.apps.common import open_chat, open_tokenizer
 from staticlm.kv_manager import Strategy
 from staticlm.runtime.device import Device, DeviceOptions

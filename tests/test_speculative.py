@@ -1,12 +1,11 @@
 """Speculative decoding: greedy output identical to plain greedy; sampling matches the target's distribution."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
-
 from reference import hf_greedy
+
 from staticlm.apps.common import open_tokenizer
 from staticlm.runtime.device import Device, DeviceOptions
 from staticlm.runtime.drafters import DraftModelDrafter, PromptLookupDrafter
@@ -25,7 +24,7 @@ def tiny_draft_family(tiny_hf_dir, tmp_path_factory):
     """The tiny model's first layer: same tokenizer, a different (worse) distribution."""
     from staticlm.export.draft import truncate_layers
     from staticlm.export.family import ExportOptions, export_family
-    from staticlm.export.sources import load_model
+    from staticlm.export.sources.load import load_model
 
     out = tmp_path_factory.mktemp("tiny_draft") / "family"
     export_family(truncate_layers(load_model(tiny_hf_dir), 1), out,
@@ -164,7 +163,7 @@ def test_tiny_speculative_sampling_matches_the_target_distribution(tiny_chat_fam
 def test_smollm2_greedy_lookup_identical_and_fewer_steps(smollm2_family):
     tokenizer = open_tokenizer(smollm2_family)
     from staticlm.runtime.chat_template import render_chat
-    from staticlm.export.manifest import load_manifest
+    from staticlm.runtime.family.manifest import load_manifest
 
     template = load_manifest(smollm2_family).chat_template
     ids = tokenizer.encode(render_chat(template, [{"role": "user", "content": REWRITE}], add_generation_prompt=True),

@@ -10,10 +10,10 @@ import math
 
 import numpy as np
 import pytest
+from conftest import CHATML, TINY_SPECIALS, tiny_tokenizer_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CHATML, TINY_SPECIALS, tiny_tokenizer_json
 from staticlm.runtime.chat_template import DEFAULT_CHATML, ChatTemplateError, Message, render_chat
 from staticlm.runtime.sampling import SamplingParams, distribution, greedy, sample
 from staticlm.runtime.stopping import StopStringMatcher
@@ -30,7 +30,8 @@ def _raw_byte_level():
 
 def _raw_byte_level_with_merges():
     """Byte-level BPE with merges, so one token can hold a whole multi-byte character or part of one."""
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = sorted(ByteLevel.alphabet())
@@ -52,7 +53,8 @@ def _raw_byte_level_with_merges():
 
 def _raw_sentencepiece_style():
     """Llama-style: '▁' for spaces, prepended to the text, byte fallback, leading space stripped on decode."""
-    from tokenizers import Tokenizer as HF, decoders, models, normalizers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, normalizers
 
     pieces = [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + list("abcdefghijklmnopqrstuvwxyz.,!?")
     vocab = {p: i for i, p in enumerate(pieces)}

@@ -1,0 +1,161 @@
+"""Issue 8's figures: speculative decoding (none, prompt lookup with BASS's dynamic or a fixed draft length)
+on input-grounded rewrites and on open chat; and n = 4 responses decoded together vs one after another.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from staticlm.runtime.chat_template import Message
+from staticlm.runtime.engine import StepCounters
+from staticlm.runtime.generator import GenerationParams, Generator
+from staticlm.runtime.sampling import SamplingParams
+from staticlm.runtime.speculate_options import SpeculateMode, SpeculateOptions, build_speculator
+
+from .base import BenchContext, Row
+
+FIXED_DRAFT = 7  # BASS's l0: the fixed length the dynamic one starts from
+CHAT_PROMPT = "Give me some advice on learning to cook at home."
+BATCH_PROMPT = "Write a short poem about the sea."
+NUM_RESPONSES = 4
+REWRITE_PASSAGES = 4
+PASSAGE_SPACING = 500  # tokens: four passages inside the shipped text (~2,300 tokens), none repeated
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    name: str
+    options: SpeculateOptions
+
+
+CONFIGS = (SpecConfig("none", SpeculateOptions()),
+           SpecConfig("lookup", SpeculateOptions(SpeculateMode.LOOKUP)),
+           SpecConfig(f"lookup, fixed {FIXED_DRAFT}", SpeculateOptions(SpeculateMode.LOOKUP, fixed_length=FIXED_DRAFT)))
+
+
+def _chat_ids(engine, text: str) -> tuple[list[int], object]:
+    from staticlm.apps.common import open_chat
+
+    session = open_chat(engine)
+    return session.prompt_ids([Message(role="user", content=text)]), session.generator.tokenizer
+
+
+def _rewrite_prompt(passage: str) -> str:
+    return f"Rewrite the following text exactly as it is.\n\n{passage}"
+
+
+def _rewrite_tasks(ctx: BenchContext, engine, tokenizer, max_new: int) -> list[list[int]]:
+    """REWRITE_PASSAGES passages spread over the shipped text, budget tokens each, as chat prompts. How well a
+    small model copies swings from passage to passage (SmolLM2, 128 greedy tokens: 1.3x-2.5x with lookup),
+    so one passage would measure the passage; the figure is over all of them."""
+    text = ctx.text_ids
+    budget = 200  # passage tokens; the answer repeats them, so halve until prompt and answer fit
+    while True:
+        offsets = [i * PASSAGE_SPACING for i in range(REWRITE_PASSAGES) if i * PASSAGE_SPACING + budget <= len(text)]
+        tasks = [_chat_ids(engine, _rewrite_prompt(tokenizer.decode(text[o:o + budget])))[0] for o in offsets or [0]]
+        if max(map(len, tasks)) + max_new <= ctx.max_context or budget <= 8:
+            return tasks
+        budget //= 2
+
+
+def _run(ctx: BenchContext, engine, tokenizer, ids: list[int], config: SpecConfig, max_new: int) -> dict:
+    engine.reset()
+    engine.counters = StepCounters()  # per configuration: speculation's cost estimate starts afresh too
+    gen = Generator(engine, tokenizer)
+    gen.speculator = build_speculator(config.options, engine=engine, tokenizer=tokenizer)
+    result = gen.generate(ids, GenerationParams(max_new_tokens=max_new))
+    c, stats = engine.counters, gen.speculator.stats if gen.speculator else None
+    decode_tokens = max(len(result.token_ids) - 1, 0)  # the first token comes from the prefill
+    return {"tok_s": result.decode_tok_s, "tokens": len(result.token_ids), "text": result.text[:200],
+            "decode_s": decode_tokens / result.decode_tok_s if result.decode_tok_s else 0.0,
+            "decode_tokens": decode_tokens,
+            "drafted": stats.num_drafted if stats else 0, "accepted": stats.num_accepted if stats else 0,
+            "steps": stats.num_steps if stats else 0,
+            "verify_tokens": c.num_verify_tokens, "verify_rows": c.num_verify_rows}
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """Several prompts' runs as one: tokens over time, acceptance over all drafts."""
+    total = {k: sum(r[k] for r in runs) for k in ("decode_s", "decode_tokens", "tokens", "drafted", "accepted",
+                                                 "steps", "verify_tokens", "verify_rows")}
+    return {**total, "tok_s": total["decode_tokens"] / total["decode_s"] if total["decode_s"] else 0.0,
+            "acceptance": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
+            "accepted_per_step": total["accepted"] / total["steps"] if total["steps"] else 0.0,
+            "verify_row_use": total["verify_tokens"] / total["verify_rows"] if total["verify_rows"] else 0.0,
+            "per_prompt_tok_s": [r["tok_s"] for r in runs], "texts": [r["text"] for r in runs]}
+
+
+def bench_speculative(ctx: BenchContext) -> list[Row]:
+    engine = ctx.engine()
+    if not engine.verify_lens:
+        ctx.extra.setdefault("skipped_rows", {})["speculative"] = "the family has no AR=N (verify) graphs"
+        return []
+    max_new = 12 if ctx.options.quick else 128
+    chat_ids, tokenizer = _chat_ids(engine, CHAT_PROMPT)
+    rewrites = _rewrite_tasks(ctx, engine, tokenizer, max_new)
+    if max(*map(len, rewrites), len(chat_ids)) + max_new > ctx.max_context:
+        ctx.extra.setdefault("skipped_rows", {})["speculative"] = "the prompts do not fit the model's context"
+        return []
+    rows, raw = [], {}
+    for config in CONFIGS:  # untimed: every graph and rung these runs touch is loaded and run once first
+        _run(ctx, engine, tokenizer, rewrites[0], config, 4)
+    for task, prompts in (("rewrite", rewrites), ("chat", [chat_ids])):
+        base = None
+        for config in CONFIGS:
+            ctx.log(f"  {task}, speculate {config.name} ...")
+            r = _pooled([_run(ctx, engine, tokenizer, ids, config, max_new) for ids in prompts])
+            raw[f"{task}/{config.name}"] = r
+            base = base or r
+            per_prompt = ", ".join(f"{a / b:.2f}x" for a, b in zip(r["per_prompt_tok_s"], base["per_prompt_tok_s"]))
+            note = (f"{r['tok_s'] / base['tok_s']:.2f}x vs none" + (f" (by prompt {per_prompt})" if len(prompts) > 1
+                                                                      else "")
+                    + f"; acceptance {r['acceptance']:.2f}, {r['accepted_per_step']:.2f} accepted/step, "
+                    f"verify rows used {100 * r['verify_row_use']:.0f} %"
+                    if config.options.mode is not SpeculateMode.NONE else f"{r['tokens']} tokens, {len(prompts)} prompt(s)")
+            rows.append(Row(f"spec.{task}.{config.name.replace(', ', '_').replace(' ', '')}",
+                            f"decode tok/s, {task}, speculate {config.name}", "tok/s", r["tok_s"], note=note))
+    ctx.extra["speculative"] = raw
+    return rows
+
+
+def bench_responses(ctx: BenchContext) -> list[Row]:
+    from staticlm.runtime.batch import BatchGenerator
+    from staticlm.runtime.family.manifest import GraphKind, load_manifest
+
+    if not load_manifest(ctx.model_dir).graphs_of(GraphKind.DECODE, batch=NUM_RESPONSES):
+        ctx.extra.setdefault("skipped_rows", {})["responses"] = f"the family has no batch-{NUM_RESPONSES} graphs"
+        return []
+    engine = ctx.engine()
+    ids, tokenizer = _chat_ids(engine, BATCH_PROMPT)
+    max_new = 8 if ctx.options.quick else 64
+    if len(ids) + max_new > ctx.max_context:
+        ctx.extra.setdefault("skipped_rows", {})["responses"] = "the prompt does not fit the model's context"
+        return []
+    # Equal work for both: sampled (so the answers differ), never stopping early.
+    params = GenerationParams(max_new_tokens=max_new, ignore_eos=True,
+                              sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
+    batch = BatchGenerator(engine, tokenizer, num_responses=NUM_RESPONSES)
+    batch.batch.warm_up()
+    ctx.log(f"  {NUM_RESPONSES} responses together ...")
+    t0 = time.perf_counter()
+    responses = batch.generate(ids, params)
+    together = time.perf_counter() - t0
+    total = sum(len(r.token_ids) for r in responses)
+    ctx.log(f"  {NUM_RESPONSES} responses one after another ...")
+    gen = Generator(engine, tokenizer)
+    t0 = time.perf_counter()
+    seq_tokens, first_seq = 0, 0.0
+    for i in range(NUM_RESPONSES):
+        gen.reset()
+        seq_tokens += len(gen.generate(ids, params).token_ids)
+        first_seq = first_seq or time.perf_counter() - t0
+    sequential = time.perf_counter() - t0
+    first = min(r.last_token_s for r in responses)
+    ctx.extra["responses"] = {"together_s": together, "sequential_s": sequential, "first_response_s": first,
+                              "first_sequential_s": first_seq}
+    return [Row(f"responses{NUM_RESPONSES}.together", f"{NUM_RESPONSES} responses decoded together, total tok/s",
+                "tok/s", total / together, note=(
+                    f"{total / together / (seq_tokens / sequential):.2f}x one after another; first response "
+                    f"done {first:.2f} s (sequential: {first_seq:.2f} s)")),
+            Row(f"responses{NUM_RESPONSES}.sequential", f"{NUM_RESPONSES} responses one after another, total tok/s",
+                "tok/s", seq_tokens / sequential)]

@@ -1,0 +1,113 @@
+"""Decode tok/s per context, prefill tok/s and TTFT, peak RSS and KV bytes: ours and every peer, same workload.
+
+Ours runs in a worker process exactly like the peers (worker.py), so the numbers and the peak RSS
+are measured the same way for everyone.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import BenchContext, Row
+from .peers import PeerModel, PeerUnavailable, prepare, run_worker
+
+MB = 1e6
+
+
+def workload(ctx: BenchContext, model: str) -> dict:
+    from staticlm.runtime.family.manifest import load_manifest
+
+    cfg = load_manifest(ctx.model_dir).model
+    o = ctx.options
+    return {"model": model, "threads": o.threads, "contexts": list(ctx.contexts), "decode_steps": ctx.decode_steps,
+            "repeats": o.repeats, "prompt_len": ctx.prompt_len, "text_ids": ctx.text_ids,
+            # Peers size their static caches for the same largest context as ours.
+            "max_length": ctx.max_context + 8,
+            "layout": {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}}
+
+
+def _peer_gguf(ctx: BenchContext) -> Path | None:
+    """The GGUF the family was made from, when it is the default model's (the only source peers get)."""
+    from staticlm.export.sources.load import default_gguf_path
+    from staticlm.runtime.family.manifest import load_manifest
+
+    if "SmolLM2-135M" not in load_manifest(ctx.model_dir).source:
+        return None
+    return default_gguf_path()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _rows(ours: dict, peers: dict[str, dict], ctx: BenchContext) -> list[Row]:
+    def each(get) -> dict[str, float]:
+        return {name: get(result) for name, result in peers.items()}
+
+    rows = [Row(f"decode@{c}", f"decode tok/s, context {c}", "tok/s", ours["decode_tok_s"][str(c)],
+                peers=each(lambda r, c=c: r["decode_tok_s"][str(c)])) for c in ctx.contexts]
+    if peers:  # same weights, same ids, greedy: the leading tokens should agree (4-bit schemes may drift later)
+        rows[0].note = "greedy tokens equal to ours before the first difference: " + ", ".join(
+            f"{name} {_common_prefix(ours.get('tokens', []), r.get('tokens', []))}/{len(ours.get('tokens', []))}"
+            for name, r in peers.items())
+    rows += [
+        Row("prefill", f"prefill tok/s, {ctx.prompt_len}-token prompt", "tok/s", ours["prefill_tok_s"],
+            peers=each(lambda r: r["prefill_tok_s"])),
+        Row("ttft", f"time to first token, {ctx.prompt_len}-token prompt", "ms", ours["ttft_s"] * 1e3,
+            higher_is_better=False, peers=each(lambda r: r["ttft_s"] * 1e3)),
+        Row("peak_rss", "peak RSS (whole process)", "MB", ours["peak_rss_bytes"] / MB, higher_is_better=False,
+            peers=each(lambda r: r["peak_rss_bytes"] / MB)),
+        Row("kv_bytes", "KV bytes held", "MB", ours["kv_bytes"] / MB, higher_is_better=False,
+            peers=each(lambda r: r["kv_bytes"] / MB),
+            note="ours: 2x(S-1) rows, float32; genai: max-length fp32; llama.cpp: n_ctx f16; hf: grown cache")]
+    return rows
+
+
+def _best(a: dict | None, b: dict) -> dict:
+    """Per metric, the better of two rounds (speeds up, times down; peak RSS: the larger, it is a peak)."""
+    if a is None:
+        return b
+    return {"decode_tok_s": {c: max(a["decode_tok_s"][c], b["decode_tok_s"][c]) for c in b["decode_tok_s"]},
+            "prefill_tok_s": max(a["prefill_tok_s"], b["prefill_tok_s"]), "ttft_s": min(a["ttft_s"], b["ttft_s"]),
+            "kv_bytes": b["kv_bytes"], "peak_rss_bytes": max(a["peak_rss_bytes"], b["peak_rss_bytes"]),
+            "load_s": min(a["load_s"], b["load_s"]), "tokens": a.get("tokens", [])}
+
+
+def bench_speed(ctx: BenchContext) -> list[Row]:
+    import sys
+
+    systems: dict[str, PeerModel] = {"staticlm": PeerModel(sys.executable, str(ctx.model_dir))}
+    skipped: dict[str, str] = ctx.extra.setdefault("skipped_peers", {})
+    gguf = _peer_gguf(ctx) if ctx.options.peers else None
+    for peer in ctx.options.peers:
+        try:
+            if gguf is None:
+                raise PeerUnavailable("peers run the default SmolLM2 weights; this family has another source")
+            systems[peer.value] = prepare(peer, gguf=gguf, log=ctx.log)
+        except PeerUnavailable as e:
+            skipped[peer.value] = str(e)
+            ctx.log(f"  skipped {peer.value}: {e}")
+    # Rounds, every system once per round, best per metric: on a shared machine a busy minute then hits
+    # one round of everyone rather than all of one system's measurements.
+    results: dict[str, dict] = {}
+    for round_ in range(ctx.options.repeats):
+        for name, model in list(systems.items()):
+            ctx.log(f"  round {round_ + 1}/{ctx.options.repeats}: {name} ...")
+            try:
+                result = run_worker(name, python=model.python, workload={**workload(ctx, model.model), "repeats": 1})
+            except PeerUnavailable as e:
+                if name == "staticlm":
+                    raise RuntimeError(f"our own worker failed: {e}") from None
+                skipped[name] = str(e)
+                ctx.log(f"  skipped {name}: {e}")
+                del systems[name]
+                results.pop(name, None)
+                continue
+            results[name] = _best(results.get(name), result)
+    ours = results.pop("staticlm")
+    ctx.extra["speed_raw"] = {"staticlm": ours, **results}
+    return _rows(ours, results, ctx)

@@ -1,0 +1,44 @@
+"""`staticlm compile`: an HTP family into QNN context binaries ahead of time, so no load on the device (or the
+emulator) pays for graph finalization."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from staticlm.apps.common import UserError
+from staticlm.runtime.device import DeviceOptions, compile_graph_contexts, compile_shared_context, family_graph_files
+from staticlm.runtime.family.manifest import load_manifest
+from staticlm.runtime.qnn_context import EMULATOR
+
+
+def _binaries_mb(directory: Path) -> float:
+    return sum(p.stat().st_size for p in directory.glob("*.bin")) / 1e6
+
+
+def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: bool = False) -> Path:
+    manifest = load_manifest(model)  # a missing, corrupt or foreign-version family fails here, in one line
+    if manifest.quant is None:
+        raise UserError(f"{model} is not an HTP family (its graphs are float or CPU-only): "
+                        "export it with --target htp first")
+    options = DeviceOptions(**({"soc_model": soc_model} if soc_model else {}))
+    files = family_graph_files(model)
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), disable=quiet) as progress:
+        what = "per-graph contexts" if per_graph else "one shared context"
+        task = progress.add_task(f"compiling {what} (SoC {options.soc_model})", total=len(files))
+
+        def done(f: Path) -> None:
+            progress.update(task, advance=1, description=f"compiled {f.stem}")
+
+        compile_ = compile_graph_contexts if per_graph else compile_shared_context
+        out = compile_(model, options=options, on_graph=done)
+    if not quiet:
+        print(f"compiled {len(files)} graphs of {model} into {out} ({_binaries_mb(out):.1f} MB of context "
+              f"binaries) in {time.perf_counter() - t0:.1f} s")
+        if not per_graph and EMULATOR:
+            print("note: the x86_64 emulator cannot load a multi-graph context; it is for the device. "
+                  "Use --per-graph for contexts the emulator loads.")
+    return out

@@ -1,0 +1,60 @@
+"""`staticlm eval`: how far a (quantized) family is from the float one, on a held-out text and chat answers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from staticlm.apps.common import ensure_default_model, open_chat, open_tokenizer
+from staticlm.runtime.device import DeviceOptions, parse_device
+from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.generator import GenerationParams
+
+from .eval_metrics import compare, held_out_text
+
+ANSWER_PROMPTS = ("What is the capital of France?", "Give me two tips for sleeping better.",
+                  "Write one sentence about the ocean.")
+ANSWER_TOKENS = 48
+
+
+def _greedy_answer(engine: Engine, prompt: str) -> str:
+    engine.reset()
+    session = open_chat(engine)
+    return "".join(session.send(prompt, GenerationParams(max_new_tokens=ANSWER_TOKENS))).strip()
+
+
+def _precision(engine: Engine) -> str:
+    """w8a16 / w4a16 / kv for HTP families, int4 (head int8) for CPU ones, else float."""
+    if engine.manifest.quantization:
+        return engine.manifest.quantization.get("quant", "quantized")
+    weights = (engine.manifest.extra or {}).get("weights")
+    if weights and weights.get("format") == "MatMulNBits":
+        return f"int{weights['bits']} (head int{weights['head_bits']})"
+    return "float"
+
+
+def run_eval(*, model: Path, reference: Path | None, text: Path | None, max_tokens: int | None, num_answers: int,
+             device: str, as_json: bool) -> int:
+    options = EngineOptions(device=DeviceOptions(device=parse_device(device)))
+    ref_options = EngineOptions(device=DeviceOptions(device=parse_device("cpu")))  # the float reference: CPU
+    engine = Engine(model, options=options)
+    ref = Engine(reference or ensure_default_model(), options=ref_options)
+    if engine.manifest.model != ref.manifest.model:
+        raise ValueError(f"{model} and {reference} are not the same model architecture")
+    ids = open_tokenizer(model).encode(held_out_text(text), add_special_tokens=False)
+    result = compare(engine, ref, ids, max_tokens=max_tokens)
+    answers = [(p, _greedy_answer(ref, p), _greedy_answer(engine, p)) for p in ANSWER_PROMPTS[:num_answers]]
+    summary = {"model": str(model), "quant": _precision(engine), "kv_dtype": engine.manifest.kv_dtype,
+               "tokens": result.num_tokens, "top1_agreement": result.agreement, "ppl": result.ppl_model,
+               "ppl_reference": result.ppl_reference, "ppl_change": result.ppl_change,
+               "answers": [{"prompt": p, "reference": a, "model": b} for p, a, b in answers]}
+    if as_json:
+        print(json.dumps(summary))
+        return 0
+    print(f"{model} ({summary['quant']}, KV {summary['kv_dtype']}) vs {reference or 'the default float model'}")
+    print(f"  teacher-forced tokens : {result.num_tokens}")
+    print(f"  top-1 agreement       : {100 * result.agreement:.2f} %")
+    print(f"  perplexity            : {result.ppl_model:.3f} (reference {result.ppl_reference:.3f}, "
+          f"{100 * result.ppl_change:+.2f} %)")
+    for p, a, b in answers:
+        print(f"\n  Q: {p}\n    reference: {a}\n    model    : {b}")
+    return 0

@@ -1,0 +1,1 @@
+"""staticlm.apps.gui."""

@@ -1,0 +1,161 @@
+"""The `--target cpu` decoder body: ORT's fused CPU contrib ops and few nodes per layer.
+
+At decode the CPU EP spends about as long dispatching a node as computing a small one, and every
+parallel node wakes the intra-op pool, so the body is written for node count, not just arithmetic:
+
+- RMSNorm and the residual add are one SkipSimplifiedLayerNormalization (its 4th output is the sum).
+- RoPE is one RotaryEmbedding for all query heads and one for all KV heads. The engine's per-step
+  rope_cos/rope_sin rows [B, 1, AR, D] become the op's "cache" ([B AR, D/2]: HF's rotate_half tables
+  repeat one half) and position_ids are the constant row numbers, so the contract stays unchanged.
+- Only the two matmuls that read a past window are per KV head (the past windows are separate tensors,
+  bound in place; batching them would need a Concat, i.e. a copy of the cache). Everything else (new
+  rows, softmax, bias) runs on all heads at once.
+- AR=1 graphs skip every head Transpose: with one row the [AR, H, D] and [H, AR, D] orders are the same
+  bytes, so a Reshape (no copy) does.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from staticlm.runtime.family.contract import Role, kv_name
+
+if TYPE_CHECKING:
+    from .graph import CpuLlamaGraph
+
+MS_DOMAIN = "com.microsoft"
+
+
+class RopeTables:
+    """Per-graph RoPE inputs shared by every layer: position_ids [B, AR], cos/sin caches [B AR, D/2]."""
+
+    def __init__(self, graph: CpuLlamaGraph) -> None:
+        g, s, d = graph.g, graph.s, graph.c.head_dim
+        rows = s.batch * s.ar
+        self.position_ids = g.const(np.arange(rows).reshape(s.batch, s.ar))  # row r reads cache row r
+
+        def half(name: str) -> str:  # [B, 1, AR, D] -> [B AR, D/2]: cos/sin repeat over the two halves
+            flat = g.op("Reshape", name, g.const([rows, d]))
+            return g.op("Slice", flat, g.const([0]), g.const([d // 2]), g.const([1]))
+
+        self.cos, self.sin = half(Role.ROPE_COS.value), half(Role.ROPE_SIN.value)
+
+    def apply(self, graph: CpuLlamaGraph, x: str, num_heads: int) -> str:
+        """x [B, AR, n D] -> rotated [B, AR, n D]."""
+        return graph.g.op("RotaryEmbedding", x, self.position_ids, self.cos, self.sin, domain=MS_DOMAIN,
+                          num_heads=num_heads, interleaved=0)
+
+
+def grouped_bias(graph: CpuLlamaGraph) -> str:
+    """attention_bias [B, 1, AR, P+AR] -> [B, 1, g AR, P+AR], the row order of grouped queries (once per graph)."""
+    g, s, grp = graph.g, graph.s, graph.c.group_size
+    bias = Role.ATTENTION_BIAS.value
+    if s.ar == 1 or grp == 1:
+        return bias  # one row broadcasts over the group
+    return g.op("Tile", bias, g.const([1, 1, grp, 1]))  # the small mask, never KV
+
+
+def to_heads(graph: CpuLlamaGraph, x: str, *, num_heads: int, group: int = 1) -> str:
+    """[B, AR, n D] -> [B, n/group, group AR, D] (query heads of one KV head adjacent, rows inside)."""
+    g, s, d = graph.g, graph.s, graph.c.head_dim
+    kv_heads = num_heads // group
+    if s.ar == 1:
+        return g.op("Reshape", x, g.const([s.batch, kv_heads, group, d]))  # same bytes, no copy
+    x5 = g.op("Reshape", x, g.const([s.batch, s.ar, kv_heads, group, d]))
+    x5 = g.op("Transpose", x5, perm=[0, 2, 3, 1, 4])  # [B, Hkv, g, AR, D]
+    return g.op("Reshape", x5, g.const([s.batch, kv_heads, group * s.ar, d]))
+
+
+def from_heads(graph: CpuLlamaGraph, o: str) -> str:
+    """[B, Hkv, g AR, D] -> [B, AR, H D] (inverse of to_heads for the query heads)."""
+    g, s, c = graph.g, graph.s, graph.c
+    if s.ar == 1:
+        return g.op("Reshape", o, g.const([s.batch, 1, c.num_heads * c.head_dim]))
+    o5 = g.op("Reshape", o, g.const([s.batch, c.num_kv_heads, c.group_size, s.ar, c.head_dim]))
+    o5 = g.op("Transpose", o5, perm=[0, 3, 1, 2, 4])  # [B, AR, Hkv, g, D]
+    return g.op("Reshape", o5, g.const([s.batch, s.ar, c.num_heads * c.head_dim]))
+
+
+def _parts(graph: CpuLlamaGraph, x: str, n: int, axis: int) -> list[str]:
+    return [x] if n == 1 else graph.g.op("Split", x, graph.g.const([1] * n), axis=axis, num_outputs=n)
+
+
+def sequence_attention(graph: CpuLlamaGraph, layer: int, seq: int | None, *, q: str, k: str, v: str,
+                       bias: str) -> str:
+    """One sequence: q [1, Hkv, g AR, D], k/v [1, Hkv, AR, D], bias [1, 1, g AR, P+AR] -> [1, Hkv, g AR, D].
+
+    Scores of the past windows (per head, the only reads of the cache) and of the new rows (all heads)
+    are concatenated along the key axis: [g AR, P + AR] floats per head, never KV rows.
+    """
+    g, hkv = graph.g, graph.c.num_kv_heads
+    g.op("Split", k, g.const([1] * hkv), axis=1, outputs=[kv_name(Role.NEW_KEY, layer, h, seq) for h in range(hkv)])
+    g.op("Split", v, g.const([1] * hkv), axis=1,
+         outputs=[kv_name(Role.NEW_VALUE, layer, h, seq) for h in range(hkv)])
+    q_parts = _parts(graph, q, hkv, axis=1)
+    # FusedMatMul transB reads the [P, D] window as K^T in place (no Transpose node, no copy).
+    s_past = [g.op("FusedMatMul", q_parts[h], kv_name(Role.PAST_KEY, layer, h, seq), domain=MS_DOMAIN,
+                   transB=1, alpha=1.0) for h in range(hkv)]  # each [1, 1, g AR, P]
+    s_new = g.op("FusedMatMul", q, k, domain=MS_DOMAIN, transB=1, alpha=1.0)  # [1, Hkv, g AR, AR]
+    scores = g.op("Concat", *s_past, s_new, axis=-1) if hkv == 1 else \
+        g.op("Concat", g.op("Concat", *s_past, axis=1), s_new, axis=-1)  # [1, Hkv, g AR, P + AR]
+    probs = g.op("Softmax", g.op("Add", scores, bias), axis=-1)
+    p_past, p_new = graph.split_probs(probs)  # [1, Hkv, g AR, P], [1, Hkv, g AR, AR]
+    p_parts = _parts(graph, p_past, hkv, axis=1)
+    o_past = [g.op("MatMul", p_parts[h], kv_name(Role.PAST_VALUE, layer, h, seq)) for h in range(hkv)]
+    o_past = o_past[0] if hkv == 1 else g.op("Concat", *o_past, axis=1)  # [1, Hkv, g AR, D]
+    return g.op("Add", o_past, g.op("MatMul", p_new, v))
+
+
+def attention(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables, bias: str) -> str:
+    """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden]."""
+    g, c, s = graph.g, graph.c, graph.s
+    hd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
+    if c.attention_bias:
+        qkv = g.op("Add", qkv, g.weight(f"l{layer}.qkv_bias"))
+    q, k, v = g.op("Split", qkv, g.const([hd, kvd, kvd]), axis=-1, num_outputs=3)
+    q = to_heads(graph, rope.apply(graph, q, c.num_heads), num_heads=c.num_heads, group=c.group_size)
+    k = to_heads(graph, rope.apply(graph, k, c.num_kv_heads), num_heads=c.num_kv_heads)  # [B, Hkv, AR, D]
+    v = to_heads(graph, v, num_heads=c.num_kv_heads)
+    if s.batch == 1:
+        o = sequence_attention(graph, layer, None, q=q, k=k, v=v, bias=bias)
+    else:  # each sequence attends over its own windows (its own KV inputs)
+        parts = [g.op("Split", t, g.const([1] * s.batch), axis=0, num_outputs=s.batch) for t in (q, k, v, bias)]
+        o = g.op("Concat", *[sequence_attention(graph, layer, b, q=parts[0][b], k=parts[1][b], v=parts[2][b],
+                                                bias=parts[3][b]) for b in range(s.batch)], axis=0)
+    return graph.linear(from_heads(graph, o), f"l{layer}.o")
+
+
+def mlp(graph: CpuLlamaGraph, layer: int, x: str) -> str:
+    g, i = graph.g, graph.c.intermediate_size
+    gate, up = g.op("Split", graph.linear(x, f"l{layer}.gate_up"), g.const([i, i]), axis=-1, num_outputs=2)
+    silu = g.op("Mul", gate, g.op("Sigmoid", gate))  # ORT fuses this pair into QuickGelu(alpha=1)
+    return graph.linear(g.op("Mul", silu, up), f"l{layer}.down")
+
+
+def decoder(graph: CpuLlamaGraph, h: str) -> str:
+    """Embedded rows [B, AR, hidden] -> final-normed rows [B, AR, hidden].
+
+    The residual stream is the 4th output of SkipSimplifiedLayerNormalization (input + skip), so no
+    separate Add node exists for either residual connection.
+    """
+    g, c = graph.g, graph.c
+    eps = float(c.rms_norm_eps)
+    rope, bias = RopeTables(graph), grouped_bias(graph)
+    x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=eps)
+    for layer in range(c.num_layers):
+        a = attention(graph, layer, x, rope=rope, bias=bias)
+        x, h = _skip_norm(graph, a, h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
+        m = mlp(graph, layer, x)
+        nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
+        x, h = _skip_norm(graph, m, h, nxt, tag=f"l{layer}_out")
+    return x
+
+
+def _skip_norm(graph: CpuLlamaGraph, x: str, residual: str, weight: str, *, tag: str) -> tuple[str, str]:
+    """(RMSNorm(x + residual) * weight, x + residual); the unused mean/inv_std outputs are left out."""
+    normed, total = f"{tag}_normed", f"{tag}_residual"
+    graph.g.op("SkipSimplifiedLayerNormalization", x, residual, graph.g.weight(weight), domain=MS_DOMAIN,
+               epsilon=float(graph.c.rms_norm_eps), outputs=[normed, "", "", total])
+    return normed, total

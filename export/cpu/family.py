@@ -1,0 +1,94 @@
+"""Export the `--target cpu` family: MatMulNBits graphs, one file per (batch, AR), one shared weight file.
+
+The manifest still lists one entry per rung of the ladder (same names and static shapes as the float
+family, so every consumer binds exactly as before); entries of one (batch, AR) point at the same graph
+file, whose past length is symbolic. `extra["dynamic_past"]` tells the runtime it may also run any other
+past length (the BMC ladder's finer rungs) through that file.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from staticlm.export.family import TOKENIZER_FILE, WEIGHTS_FILE, ExportOptions, _replace_dir, special_tokens
+from staticlm.export.sources.load import LoadedModel
+from staticlm.export.weight_file import WeightFileWriter
+from staticlm.runtime.family.contract import GraphShape, graph_io, in_place_graph_io
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256
+
+from .graph import CpuAttention, CpuLlamaGraph, CpuOptions, write_cpu_weights
+
+TARGET = "cpu"
+
+
+def graph_file(kind: GraphKind, shape: GraphShape) -> str:
+    batch = f"_b{shape.batch}" if shape.batch > 1 else ""
+    return f"{kind.value}_ar{shape.ar}{batch}.onnx"
+
+
+def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions = ExportOptions(),
+                      cpu: CpuOptions = CpuOptions(), on_step: Callable[[str], None] | None = None) -> Manifest:
+    """Write the family into out_dir atomically (a failed export leaves an existing out_dir untouched)."""
+    config = model.config
+    options.validate(config.max_positions)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    step = on_step or (lambda _name: None)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)
+    try:
+        writer = WeightFileWriter(work / WEIGHTS_FILE)
+        write_cpu_weights(config, model.weights, writer, cpu)
+        weights_bytes, weights_sha = writer.close()
+        step("weights")
+        shapes = options.shapes()
+        largest: dict[str, tuple[GraphKind, GraphShape]] = {}
+        for _name, kind, shape in shapes:  # each file is built at its largest window (any P up to it runs)
+            file = graph_file(kind, shape)
+            if file not in largest or shape.past_len > largest[file][1].past_len:
+                largest[file] = (kind, shape)
+        hashes = {}
+        for file, (kind, shape) in largest.items():
+            last_only = _last_logits_only(cpu=cpu, kind=kind, shape=shape, prefill_len=options.prefill_len)
+            proto = CpuLlamaGraph(config, shape, weights=writer, options=cpu,
+                                  last_logits_only=last_only).build(Path(file).stem)
+            onnx.save_model(proto, work / file)
+            hashes[file] = file_sha256(work / file)
+            step(file)
+        entries = []
+        for name, kind, shape in shapes:
+            last_only = _last_logits_only(cpu=cpu, kind=kind, shape=shape, prefill_len=options.prefill_len)
+            inputs, outputs = (in_place_graph_io(config, shape, last_logits_only=last_only)
+                               if cpu.attention is CpuAttention.GQA else graph_io(config, shape))
+            file = graph_file(kind, shape)
+            entries.append(GraphEntry(name=name, file=file, kind=kind, shape=shape, inputs=inputs, outputs=outputs,
+                                      sha256=hashes[file]))
+        (work / TOKENIZER_FILE).write_text(model.tokenizer_json)
+        manifest = Manifest(
+            model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
+            weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
+            special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
+            extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True})
+        manifest.save(work)
+        step("manifest")
+        _replace_dir(work, out_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _last_logits_only(*, cpu: CpuOptions, kind: GraphKind, shape: GraphShape, prefill_len: int) -> bool:
+    """The in-place prompt-chunk graph scores its last row only; verify graphs (shorter ARs) score every row."""
+    return cpu.attention is CpuAttention.GQA and kind is GraphKind.PREFILL and shape.ar == prefill_len
+
+
+def num_cpu_steps(options: ExportOptions) -> int:
+    return len({graph_file(kind, shape) for _n, kind, shape in options.shapes()}) + 2

@@ -1,0 +1,1 @@
+"""staticlm.export.graph."""

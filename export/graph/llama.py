@@ -1,0 +1,154 @@
+"""The Llama decoder as one static-shape ONNX graph per (AR, P).
+
+Attention never concatenates KV: the past window and the AR new rows are scored
+separately and their probabilities split again, so the only tensors the graph
+copies are [B, g, AR, P] scores, never the [P, D] cache. GQA groups query heads
+over one KV head by broadcasting (no Tile/repeat of KV).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from staticlm.export.weight_file import WeightFileWriter
+from staticlm.runtime.family.config import ModelConfig
+from staticlm.runtime.family.contract import GraphShape, Role, graph_io, kv_name
+
+from .builder import GraphBuilder
+
+
+def prepared_weight_names(config: ModelConfig) -> list[str]:
+    names = ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
+    for layer in range(config.num_layers):
+        names += [f"l{layer}.{n}" for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")]
+        if config.attention_bias:
+            names.append(f"l{layer}.qkv_bias")
+    return names
+
+
+def write_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
+    """Lay out HF-named float weights the way the graph consumes them ([in, out], fused)."""
+    scale = 1.0 / np.sqrt(config.head_dim)  # folded into Wq: RoPE is linear, so this commutes
+    f32 = np.float32
+    writer.add("embed", hf["model.embed_tokens.weight"].astype(f32))  # [V, hidden]
+    writer.add("final_norm", hf["model.norm.weight"].astype(f32))
+    if not config.tie_word_embeddings:
+        writer.add("lm_head", hf["lm_head.weight"].astype(f32))  # [V, hidden], used with transB
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        q = hf[p + "self_attn.q_proj.weight"] * scale
+        qkv = np.concatenate([q, hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]])
+        writer.add(f"l{layer}.attn_norm", hf[p + "input_layernorm.weight"].astype(f32))
+        writer.add(f"l{layer}.qkv", qkv.T.astype(f32))  # [hidden, (H + 2 Hkv) D]
+        if config.attention_bias:
+            bias = np.concatenate([hf[p + "self_attn.q_proj.bias"] * scale, hf[p + "self_attn.k_proj.bias"],
+                                   hf[p + "self_attn.v_proj.bias"]])
+            writer.add(f"l{layer}.qkv_bias", bias.astype(f32))
+        writer.add(f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32))  # [H D, hidden]
+        writer.add(f"l{layer}.mlp_norm", hf[p + "post_attention_layernorm.weight"].astype(f32))
+        gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        writer.add(f"l{layer}.gate_up", gate_up.T.astype(f32))  # [hidden, 2 I]
+        writer.add(f"l{layer}.down", hf[p + "mlp.down_proj.weight"].T.astype(f32))  # [I, hidden]
+
+
+class LlamaGraph:
+    """Builds one family member; all members reference the same weight tensors."""
+
+    def __init__(self, config: ModelConfig, shape: GraphShape, *, weights: WeightFileWriter) -> None:
+        self.c, self.s = config, shape
+        self.g = GraphBuilder(weights=weights)
+
+    def rms_norm(self, x: str, weight: str) -> str:
+        # The Pow/ReduceMean/Sqrt/Div pattern is what ORT fuses into SimplifiedLayerNormalization.
+        g = self.g
+        var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), axes=[-1], keepdims=1)
+        rstd = g.op("Div", g.const(1.0, np.float32), g.op("Sqrt", g.op("Add", var, g.const(self.c.rms_norm_eps, np.float32))))
+        return g.op("Mul", g.op("Mul", x, rstd), g.weight(weight))
+
+    def rope(self, x: str, cos: str, sin: str) -> str:
+        g, half = self.g, self.c.head_dim // 2
+        x1, x2 = g.op("Split", x, g.const([half, half]), axis=-1, num_outputs=2)
+        rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+    def heads(self, x: str, num_heads: int) -> str:
+        """[B, AR, n D] -> [B, n, AR, D]"""
+        g, s = self.g, self.s
+        return g.op("Transpose", g.op("Reshape", x, g.const([s.batch, s.ar, num_heads, self.c.head_dim])),
+                    perm=[0, 2, 1, 3])
+
+    def attention(self, layer: int, x: str, cos: str, sin: str, bias: str) -> str:
+        g, c, s = self.g, self.c, self.s
+        hd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = self.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
+        if c.attention_bias:
+            qkv = g.op("Add", qkv, g.weight(f"l{layer}.qkv_bias"))
+        q, k, v = g.op("Split", qkv, g.const([hd, kvd, kvd]), axis=-1, num_outputs=3)
+        q = self.rope(self.heads(q, c.num_heads), cos, sin)  # [B, H, AR, D]
+        k = self.rope(self.heads(k, c.num_kv_heads), cos, sin)  # [B, Hkv, AR, D]
+        v = self.heads(v, c.num_kv_heads)
+        if s.batch == 1:
+            o = self.sequence_attention(layer, None, q, k, v, bias)
+        else:  # each sequence attends over its own window (its own KV inputs); the matmuls above stay batched
+            parts = [g.op("Split", t, g.const([1] * s.batch), axis=0, num_outputs=s.batch) for t in (q, k, v, bias)]
+            o = g.op("Concat", *[self.sequence_attention(layer, b, *(p[b] for p in parts))
+                                 for b in range(s.batch)], axis=0)  # [B, H, AR, D]
+        o = g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.const([s.batch, s.ar, hd]))
+        return self.linear(o, f"l{layer}.o")
+
+    def linear(self, x: str, weight: str) -> str:
+        """x @ W for an [in, out] weight; the CPU target swaps in MatMulNBits (cpu_graph.py)."""
+        return self.g.op("MatMul", x, self.g.weight(weight))
+
+    def split_probs(self, probs: str) -> list[str]:
+        """[.., P + AR] -> the past part [.., P] and the new part [.., AR]."""
+        return self.g.op("Split", probs, self.g.const([self.s.past_len, self.s.ar]), axis=-1, num_outputs=2)
+
+    def sequence_attention(self, layer: int, seq: int | None, q: str, k: str, v: str, bias: str) -> str:
+        """One sequence: q [1, H, AR, D], k/v [1, Hkv, AR, D], bias [1, 1, AR, P+AR] -> [1, H, AR, D]."""
+        g, c = self.g, self.c
+        hkv = c.num_kv_heads
+        new_k = [kv_name(Role.NEW_KEY, layer, h, seq) for h in range(hkv)]
+        new_v = [kv_name(Role.NEW_VALUE, layer, h, seq) for h in range(hkv)]
+        g.op("Split", k, g.const([1] * hkv), axis=1, outputs=new_k)  # each [1, 1, AR, D]
+        g.op("Split", v, g.const([1] * hkv), axis=1, outputs=new_v)
+        q_groups = [q] if hkv == 1 else g.op("Split", q, g.const([c.group_size] * hkv), axis=1, num_outputs=hkv)
+        outs = []
+        for h in range(hkv):  # builds per-KV-head attention; not a runtime loop
+            qh = q_groups[h]  # [1, g, AR, D]
+            past_k, past_v = kv_name(Role.PAST_KEY, layer, h, seq), kv_name(Role.PAST_VALUE, layer, h, seq)
+            s_past = g.op("MatMul", qh, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [1, g, AR, P]
+            s_new = g.op("MatMul", qh, g.op("Transpose", new_k[h], perm=[0, 1, 3, 2]))  # [1, g, AR, AR]
+            scores = g.op("Add", g.op("Concat", s_past, s_new, axis=-1), bias)  # [1, g, AR, P + AR]
+            probs = g.op("Softmax", scores, axis=-1)
+            p_past, p_new = self.split_probs(probs)
+            outs.append(g.op("Add", g.op("MatMul", p_past, past_v), g.op("MatMul", p_new, new_v[h])))
+        return outs[0] if hkv == 1 else g.op("Concat", *outs, axis=1)  # [1, H, AR, D]
+
+    def mlp(self, layer: int, x: str) -> str:
+        g, i = self.g, self.c.intermediate_size
+        gate, up = g.op("Split", self.linear(x, f"l{layer}.gate_up"), g.const([i, i]),
+                        axis=-1, num_outputs=2)
+        silu = g.op("Mul", gate, g.op("Sigmoid", gate))
+        return self.linear(g.op("Mul", silu, up), f"l{layer}.down")
+
+    def build(self, name: str):
+        g, c, s = self.g, self.c, self.s
+        inputs, outputs = graph_io(c, s)
+        h = self.embed("input_ids")  # [B, AR, hidden]
+        for layer in range(c.num_layers):
+            h = g.op("Add", h, self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"),
+                                              "rope_cos", "rope_sin", "attention_bias"))
+            h = g.op("Add", h, self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm")))
+        h = g.op("Reshape", self.rms_norm(h, "final_norm"), g.const([s.batch * s.ar, c.hidden_size]))
+        logits = self.lm_head(h)  # [B AR, V]
+        g.op("Reshape", logits, g.const([s.batch, s.ar, c.vocab_size]), outputs=["logits"])
+        return g.model(name=name, inputs=inputs, outputs=outputs,
+                       doc=f"staticlm {name}: AR={s.ar}, P={s.past_len}, S={s.context}")
+
+    def embed(self, ids: str) -> str:
+        return self.g.op("Gather", self.g.weight("embed"), ids, axis=0)
+
+    def lm_head(self, h: str) -> str:
+        """[N, hidden] -> [N, V]; the tied head reuses the embedding table, no copy."""
+        head = self.g.weight("embed" if self.c.tie_word_embeddings else "lm_head")
+        return self.g.op("Gemm", h, head, transB=1)

@@ -1,0 +1,281 @@
+"""Calibration on real decoding traces.
+
+The float family runs the shipped chat prompts through the real Engine and kv_manager (prefill chunks,
+then greedy decoding); before each step we keep what that step reads: the valid past rows, the tokens
+and their position. A recorded step is graph-independent, so it can be re-windowed for any family
+member whose window holds it (left padding, the same mask rule the runtime uses) and fed to ONNX
+Runtime's calibrator. The boundary ranges (KV, logits) come from every row the float model wrote.
+
+The sink: a sequence's first token (no past) carries massive activations. In SmolLM2 its residual stream
+reaches 22,500 in two channels from layer 11 on, while every other token stays under ~770 (median peak
+over layers 556, channel 507 in layers 3-9; measured on the calibration prompts and the eval text). One 16-bit
+range over both would give every other token a step of 0.7 (the float model's top-1 agreed only 91 %
+with such a family, with 8- or 16-bit weights alike). So the first token is recorded as a step of its own
+and calibrates a graph of its own (GraphKind.SINK); every other step calibrates the family.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, TensorSpec, kv_tensor_index
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    past: np.ndarray  # [T, n, D] float32: the valid rows the step attended to (all of them, or a window of them)
+    token_ids: np.ndarray  # [k] int64: the step's real tokens (k > 1: a prefill chunk)
+    position: int  # rows cached before the step (calibration never slides: the first token's position)
+
+    @property
+    def is_sink(self) -> bool:
+        return self.position == 0
+
+
+@dataclass(frozen=True)
+class Traces:
+    steps: tuple[TraceStep, ...]
+    kv_min: np.ndarray  # [T] over every row the float model wrote: the union of past and new ranges
+    kv_max: np.ndarray  # [T]
+    logits_min: float
+    logits_max: float
+    # The long conversation re-read in full chunks: all rows real, for GPTQ's Hessians (see _Recorder.replay)
+    replay_steps: tuple[TraceStep, ...] = ()
+
+    @property
+    def sink_steps(self) -> tuple[TraceStep, ...]:
+        return tuple(s for s in self.steps if s.is_sink)
+
+    @property
+    def family_steps(self) -> tuple[TraceStep, ...]:
+        return tuple(s for s in self.steps if not s.is_sink)
+
+
+def window_rows(past: np.ndarray, max_rows: int) -> np.ndarray:
+    """[T, n, D] -> [T, min(n, max_rows), D]: what a window of max_rows rows keeps of a longer past, the first
+    row (the sink) and the newest rest. Every runtime window holds row 0 and attention leans on it: without it,
+    SmolLM2's residual peaks on long-conversation steps rose from a median 540 to 673."""
+    n = past.shape[1]
+    if n <= max_rows:
+        return past
+    return np.concatenate([past[:, :1], past[:, n - max_rows + 1:]], axis=1)
+
+
+def calibration_prompts() -> list[str]:
+    """The chat prompts the repository ships for calibration (written for this project)."""
+    text = resources.files(__package__).joinpath("data/calib_prompts.json").read_text()
+    return [p["prompt"] for p in json.loads(text)["prompts"]]
+
+
+class _Recorder:
+    """The float family on one sequence: what each step reads, and the KV and logits ranges of all it writes."""
+
+    def __init__(self, float_dir: Path, *, max_past_rows: int | None) -> None:
+        from staticlm.runtime.device import Device, DeviceOptions
+        from staticlm.runtime.engine import Engine, EngineOptions
+
+        self.engine = Engine(float_dir, options=EngineOptions(device=DeviceOptions(device=Device.CPU)))
+        self.chunk = max(self.engine.prefill_len, 1)
+        self.room = self.engine.max_context - 1
+        self.max_rows = max_past_rows or self.engine.max_context
+        t = self.engine.kv.spec.num_tensors
+        self.kv_min, self.kv_max = np.full(t, np.inf, np.float32), np.full(t, -np.inf, np.float32)
+        self.logits_min, self.logits_max = np.inf, -np.inf
+        self.tokens: list[int] = []  # the sequence cached now
+
+    @property
+    def num_cached(self) -> int:
+        return self.engine.num_cached
+
+    def reset(self) -> None:
+        self.absorb_kv()
+        self.engine.reset()
+        self.tokens.clear()
+
+    def step(self, token_ids) -> TraceStep:
+        """What a run of token_ids reads now: at most max_past_rows rows (see window_rows)."""
+        block = self.engine.kv.valid_block(0)
+        return TraceStep(window_rows(block, self.max_rows).copy(), np.asarray(token_ids, np.int64), block.shape[1])
+
+    def run(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids, np.int64)
+        self.tokens += ids.tolist()
+        logits = self.engine.prefill(ids) if ids.size > 1 or self.num_cached == 0 else self.engine.decode(int(ids[0]))
+        self.logits_min, self.logits_max = min(self.logits_min, float(logits.min())), max(self.logits_max,
+                                                                                        float(logits.max()))
+        return logits
+
+    def replay(self) -> list[TraceStep]:
+        """The cached sequence again as full chunks after its first token, with no model run: the cache holds
+        each chunk's past, and attention is causal, so each row is exactly the step that wrote it. Decode steps
+        give one real row a run; this gives a chunk's worth."""
+        block = self.engine.kv.valid_block(0)  # [T, n, D]
+        return [TraceStep(window_rows(block[:, :p], self.max_rows).copy(),
+                          np.asarray(self.tokens[p:p + self.chunk], np.int64), p)
+                for p in range(1, len(self.tokens) - self.chunk + 1, self.chunk)]
+
+    def absorb_kv(self) -> None:
+        block = self.engine.kv.valid_block(0)  # [T, n, D]: every row written since the last reset
+        if block.shape[1]:
+            np.minimum(self.kv_min, block.min(axis=(1, 2)), out=self.kv_min)
+            np.maximum(self.kv_max, block.max(axis=(1, 2)), out=self.kv_max)
+
+
+def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: int, max_new_tokens: int,
+                  eos_ids: tuple[int, ...] = (), sink_ids: tuple[int, ...] = (), on_prompt=None,
+                  max_past_rows: int | None = None) -> Traces:
+    """Run the float family over the prompts; keep about max_steps steps: a quarter prefill chunks and a quarter
+    decode tokens of each prompt alone, half from one long conversation of all of them (see _long_conversation;
+    only when the family's context reaches past the short chats),
+    plus every prompt's first token (and each of sink_ids) as a sink step of its own. A step keeps at most
+    max_past_rows of its past (the calibrating graph's window)."""
+    rec = _Recorder(float_dir, max_past_rows=max_past_rows)
+    keep = max(rec.room - max_new_tokens, 1)  # long prompts keep their end (the assistant header), so decoding happens
+    prompt_ids = [p[-keep:] for p in prompt_ids]
+    reach = max(map(len, prompt_ids), default=0) + max_new_tokens  # the furthest position a short chat gets to
+    num_long = max_steps // 2 if len(prompt_ids) > 1 and reach < rec.room else 0  # positions beyond it exist
+    num_short = max_steps - num_long
+    num_chunks = sum(-(-len(p) // rec.chunk) for p in prompt_ids)
+    num_decode = len(prompt_ids) * max_new_tokens
+    chunk_stride = max(1, -(-num_chunks // max(1, num_short // 2)))
+    decode_stride = max(1, -(-num_decode // max(1, num_short - min(num_chunks, num_short // 2))))
+    steps: list[TraceStep] = []
+    sinks: list[TraceStep] = []
+    chunk_no = decode_no = 0
+
+    def first_token(token: int) -> np.ndarray:  # alone, as the runtime runs it (Engine.prefill, the sink)
+        rec.reset()
+        sinks.append(rec.step([token]))
+        return rec.run([token])
+
+    for token in sink_ids:  # more first tokens than the chat template's one
+        first_token(token)
+    for ids in prompt_ids:
+        logits = first_token(ids[0])
+        for start in range(1, len(ids), rec.chunk):
+            part = ids[start:start + rec.chunk]
+            if chunk_no % chunk_stride == 0:
+                steps.append(rec.step(part))
+            chunk_no += 1
+            logits = rec.run(part)
+        for _ in range(max_new_tokens):
+            token = int(np.argmax(logits))
+            if token in eos_ids or rec.num_cached + 1 > rec.room:
+                break
+            if decode_no % decode_stride == 0:
+                steps.append(rec.step([token]))
+            decode_no += 1
+            logits = rec.run([token])
+        if on_prompt is not None:
+            on_prompt()
+    steps = steps[:num_short]
+    replay: list[TraceStep] = []
+    if num_long:
+        steps += _long_conversation(rec, prompt_ids, num_steps=num_long, max_new_tokens=max_new_tokens,
+                                    eos_ids=eos_ids)
+        replay = rec.replay()
+    rec.reset()
+    return Traces(steps=tuple(steps) + tuple(sinks), kv_min=rec.kv_min, kv_max=rec.kv_max,
+                  logits_min=rec.logits_min, logits_max=rec.logits_max, replay_steps=tuple(replay))
+
+
+def _long_conversation(rec: _Recorder, prompt_ids: list[list[int]], *, num_steps: int, max_new_tokens: int,
+                       eos_ids: tuple[int, ...]) -> list[TraceStep]:
+    """The prompts one after another in one cache, each answered greedily, round after round until the largest
+    context is full; a step every room / num_steps rows. Short chats alone reach position ~70, and positions
+    past them were out of range: on held-out text at positions 960-1970, 453 of SmolLM2's 2,943 activations
+    (RoPE'd queries, attention scores) left their calibrated ranges, by up to the whole range again."""
+    rec.reset()
+    every = max(1, rec.room // num_steps)
+    steps: list[TraceStep] = []
+    while True:
+        for ids in prompt_ids:
+            for start in range(0, len(ids), rec.chunk):
+                part = ids[start:start + rec.chunk]
+                if rec.num_cached + len(part) > rec.room:
+                    return steps[:num_steps]
+                if rec.num_cached >= every * (len(steps) + 1):
+                    steps.append(rec.step(part))
+                logits = rec.run(part)
+            for _ in range(max_new_tokens):
+                token = int(np.argmax(logits))
+                if token in eos_ids:
+                    break
+                if rec.num_cached + 1 > rec.room:
+                    return steps[:num_steps]
+                if rec.num_cached >= every * (len(steps) + 1):
+                    steps.append(rec.step([token]))
+                logits = rec.run([token])
+
+
+class StepFeeds:
+    """Re-windows recorded steps for one graph shape: the feeds the runtime would have bound."""
+
+    def __init__(self, inputs: tuple[TensorSpec, ...], shape: GraphShape, *, num_kv_heads: int, head_dim: int,
+                 rope_theta: float, max_positions: int, mask_value: float) -> None:
+        from staticlm.kv_manager import attention_bias
+        from staticlm.runtime.rope import RopeTable
+
+        self.shape, self.mask_value = shape, mask_value
+        self._bias = attention_bias
+        self._rope = RopeTable(head_dim=head_dim, theta=rope_theta, max_positions=max_positions)
+        self._kv = [(s.name, kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=s.role == KV_INPUT_ROLES[1],
+                                             num_kv_heads=num_kv_heads)) for s in inputs if s.role in KV_INPUT_ROLES]
+
+    def select(self, steps: tuple[TraceStep, ...]) -> tuple[TraceStep, ...]:
+        """Every step whose tokens fit the graph: a decode token runs as row 0 of a multi-row graph, so one
+        multi-row graph calibrates the ranges of both kinds of step."""
+        return tuple(s for s in steps if s.token_ids.size <= self.shape.ar) or steps
+
+    def feeds(self, step: TraceStep) -> dict[str, np.ndarray]:
+        """The step's rows, then padding rows that repeat its last row exactly: the same token, position and
+        mask row, so they compute that row's activations and add nothing to the calibrated ranges. The
+        runtime's padding rows (the last token at the next positions, attending to each other) are dropped
+        after the run, but a calibrator sees them: in SmolLM2 such repeats reached 6,241 in the residual
+        stream against ~900 for real rows, a 7x coarser 16-bit step for every real token."""
+        s, n = self.shape, step.position
+        past = window_rows(step.past, s.past_len)
+        ids = np.zeros((1, s.ar), np.int64)
+        k = min(step.token_ids.size, s.ar)
+        ids[0, :k] = step.token_ids[:k]
+        ids[0, k:] = step.token_ids[k - 1]
+        cos = np.zeros((1, 1, s.ar, past.shape[2]), np.float32)
+        sin = np.zeros_like(cos)
+        self._rope.fill((n + np.minimum(np.arange(s.ar), k - 1))[None], cos_out=cos, sin_out=sin)
+        kept = past.shape[1]
+        bias = self._bias(lengths=np.array([kept]), past_len=s.past_len, ar=s.ar)  # [1, 1, AR, P + AR]
+        bias[:, :, k:] = bias[:, :, k - 1:k]
+        bias[bias < 0] = self.mask_value  # the level the quantized mask input represents
+        window = np.zeros((past.shape[0], s.past_len, past.shape[2]), np.float32)  # [T, P, D]
+        if kept:
+            window[:, s.past_len - kept:] = past  # left padding: valid rows at the right end
+        feeds = {"input_ids": ids, "rope_cos": cos, "rope_sin": sin, "attention_bias": bias}
+        for name, t in self._kv:
+            feeds[name] = window[t][None, None]
+        return feeds
+
+    def iterate(self, steps: tuple[TraceStep, ...]) -> Iterator[dict[str, np.ndarray]]:
+        for step in self.select(steps):
+            yield self.feeds(step)
+
+
+def trace_reader(step_feeds: StepFeeds, steps: tuple[TraceStep, ...]):
+    """An onnxruntime CalibrationDataReader over the steps that fit the graph (lazily: windows are large)."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = step_feeds.iterate(steps)
+
+        def get_next(self):
+            return next(self._it, None)
+
+        def rewind(self) -> None:
+            self._it = step_feeds.iterate(steps)
+
+    return _Reader()

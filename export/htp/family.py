@@ -1,0 +1,311 @@
+"""`export --target htp`: the quantized family (QDQ graphs, integer KV/mask/rope/logits I/O, one weight file).
+
+Pipeline: export the float family to a scratch directory, record real decoding traces with it, derive the
+family-wide boundary parameters from those traces, quantize ONE template graph with ONNX Runtime's QNN
+tooling (boundary tensors pinned, calibrated on every recorded step), strip its boundary Q/DQ, move its
+quantized weights into the family's one weight file, and specialize it to every shape (qdq_template.py).
+The same template with its activation parameters calibrated on first tokens only gives the sink graph
+(see calibration.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from staticlm.export.family import TOKENIZER_FILE, WEIGHTS_FILE, ExportError, ExportOptions, _replace_dir, export_family
+from staticlm.export.sources.load import LoadedModel
+from staticlm.export.weight_file import WeightFileWriter
+from staticlm.runtime.family.contract import IODtypes, graph_io
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256, load_manifest
+from staticlm.runtime.family.quant_params import FamilyQuant, Quant, QuantOptions, TensorQuant
+
+from . import gptq
+from .blocks import grid_overrides, grid_weights, to_block_weights
+from .calibration import StepFeeds, Traces, calibration_prompts, record_traces, trace_reader
+from .kv_only import add_kv_boundary
+from .qdq import (
+    Ranges,
+    boundary_params,
+    calibrated_ranges,
+    quantize_graph,
+    recalibrated,
+    strip_boundary,
+    through_data_movement,
+)
+from .template import specialize, template_entry
+
+CALIB_NEW_TOKENS = 24  # greedy tokens per calibration prompt: decode steps at growing lengths
+INLINE_LIMIT = 1024  # bytes; smaller initializers (activation scales, shapes) stay inside each graph
+
+
+# Calibration sees a few hundred steps; text it never saw reaches past their ranges, and a clipped K or V
+# row is wrong by the whole overshoot in every later step (measured on the tiny model: up to 22 % of the
+# range on unseen text). Headroom trades resolution for coverage: 2x costs one of 16 bits, 1.25x a third
+# of one of 8 bits. The same holds for logits, where a clipped top logit changes the argmax.
+KV_HEADROOM = {"uint16": 2.0, "uint8": 1.25}
+LOGITS_HEADROOM = 1.5
+
+
+def _widened(lo: float, hi: float, factor: float) -> tuple[float, float]:
+    return lo * factor if lo < 0 else lo, hi * factor if hi > 0 else hi
+
+
+def family_quant(traces: Traces, quant: QuantOptions) -> FamilyQuant:
+    """Boundary parameters from the traces: KV per tensor from the union of past and new ranges."""
+    dtype = quant.kv_bits.dtype
+    kv = tuple(TensorQuant.from_range(*_widened(lo, hi, KV_HEADROOM[dtype]), dtype)
+               for lo, hi in zip(traces.kv_min, traces.kv_max))
+    if quant.quant is Quant.KV_ONLY:
+        return FamilyQuant(quant=quant.quant, kv=kv)
+    logits = _widened(traces.logits_min, traces.logits_max, LOGITS_HEADROOM)
+    return FamilyQuant(quant=quant.quant, kv=kv, rope=TensorQuant.from_range(-1.0, 1.0, "uint16"),
+                       mask=TensorQuant.from_range(quant.mask_value, 0.0, "uint16"),
+                       logits=TensorQuant.from_range(*logits, "uint16"), mask_value=quant.mask_value)
+
+
+def io_dtypes(fq: FamilyQuant) -> IODtypes:
+    f = "float32"
+    return IODtypes(kv=fq.kv_dtype, rope=fq.rope.dtype if fq.rope else f, mask=fq.mask.dtype if fq.mask else f,
+                    logits=fq.logits.dtype if fq.logits else f)
+
+
+def _projection_weights(config) -> list[str]:
+    """The [in, out] MatMul weights of htp_graph.py, quantized per output channel (axis 1)."""
+    names = []
+    for layer in range(config.num_layers):
+        names += [f"l{layer}.q", f"l{layer}.o", f"l{layer}.gate_up", f"l{layer}.down"]
+        names += [f"l{layer}.{kind}_h{h}" for kind in ("k", "v") for h in range(config.num_kv_heads)]
+    return names
+
+
+def _norm_weights(config) -> list[str]:
+    return ["final_norm"] + [f"l{layer}.{n}" for layer in range(config.num_layers) for n in ("attn_norm", "mlp_norm")]
+
+
+def weight_overrides(quant: Quant, config) -> dict[str, list[dict]]:
+    """Per-channel projection weights (one scale per output column): one outlier column no longer coarsens
+    the whole matrix (per-tensor 8-bit weights measured 80.6 % top-1 agreement on SmolLM2). The embedding
+    is per-tensor (QNN's Gather reads one scale), so it takes 16 bits (below)."""
+    from onnxruntime.quantization import QuantType
+
+    # Symmetric signed: QNN HTP takes per-channel MatMul weights only with zero offsets (asymmetric uint8
+    # per-channel failed validation, "Failed to add fused Matmul node", and ran on the CPU EP).
+    qtype = QuantType.QInt8 if quant is Quant.W8A16 else QuantType.QInt4
+    out = {n: [{"quant_type": qtype, "symmetric": True, "axis": 1}] for n in _projection_weights(config)}
+    # The head is the single most sensitive weight: SmolLM2 w8a16 agreed with float on 93.7 % of 300 tokens with
+    # an 8-bit head and 95.7 % with a 16-bit one (float head: 95.7 %). HTP runs the 16 x 16-bit MatMul (checked
+    # on the emulator with CPU fallback off); it costs V x hidden more bytes (28 MB for SmolLM2).
+    out["lm_head_t"] = [{"quant_type": QuantType.QInt16, "symmetric": True, "axis": 1}]  # under w4a16 too
+    # One scale over the whole table leaves 8 bits too coarse for most rows: SmolLM2 w8a16 agreed with float on
+    # 96.3 % of 2,320 tokens with an 8-bit table and 96.7 % with a 16-bit one (+28 MB, a lookup's worth per token).
+    out["embed"] = [{"quant_type": QuantType.QUInt16, "symmetric": False}]
+    # RMSNorm scales span orders of magnitude across channels; 8 bits per tensor flattened the small ones
+    # (2 % error at the first norm of SmolLM2). They are a few KB: keep them 16-bit.
+    for name in _norm_weights(config):
+        out[name] = [{"quant_type": QuantType.QUInt16, "symmetric": False}]
+    return out
+
+
+class _SharedInitializers:
+    """Moves a graph's large initializers into the family's weight file, each name once."""
+
+    def __init__(self, writer: WeightFileWriter) -> None:
+        self.writer, self._sha = writer, {}
+
+    def absorb(self, model: onnx.ModelProto) -> None:
+        for i, init in enumerate(model.graph.initializer):
+            raw = init.raw_data
+            if len(raw) < INLINE_LIMIT:
+                continue
+            sha = hashlib.sha256(raw).hexdigest()
+            if init.name not in self._sha:
+                self.writer.add(init.name, np.frombuffer(raw, np.uint8))
+                self._sha[init.name] = sha
+            elif self._sha[init.name] != sha:  # the same weight must quantize identically in every graph
+                raise ExportError(f"initializer {init.name} differs between graphs of one family")
+            proto = self.writer.proto(init.name)
+            proto.data_type = init.data_type  # the bytes were written raw (4-bit types stay packed)
+            del proto.dims[:]
+            proto.dims.extend(init.dims)
+            model.graph.initializer[i].CopyFrom(proto)
+
+
+def _prompt_ids(float_dir: Path, prompts: list[str]) -> tuple[list[list[int]], tuple[int, ...], tuple[int, ...]]:
+    """Chat-template prompt ids, the EOS ids, and the first token of each bare prompt (varied sink steps)."""
+    from staticlm.runtime.chat import ChatSession, TemplateInfo
+    from staticlm.runtime.chat_template import Message
+    from staticlm.runtime.tokenizer import Tokenizer
+
+    m = load_manifest(float_dir)
+    st = m.special_tokens
+    tok = Tokenizer.from_file(float_dir / m.tokenizer_file, bos_token_id=st.bos_token_id,
+                              eos_token_ids=st.eos_token_ids, add_bos_token=st.add_bos_token)
+
+    class _Gen:  # ChatSession only needs the tokenizer to build prompt ids
+        tokenizer = tok
+
+    chat = ChatSession(_Gen(), TemplateInfo(m.chat_template, st.bos_token, st.eos_token))
+    bare = sorted({tok.encode(p, add_special_tokens=False)[0] for p in prompts if p})
+    return ([chat.prompt_ids([Message(role="user", content=p)]) for p in prompts], tuple(st.eos_token_ids),
+            tuple(bare))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Template:
+    proto: onnx.ModelProto  # quantized, integer boundary, weights in the family's file
+    float_proto: onnx.ModelProto  # the float graph it was made from (no weights loaded)
+    ranges: Ranges  # the activation ranges it was calibrated with
+    pinned: frozenset[str]  # tensors whose parameters are the family's (boundary, through data movement)
+
+
+def _step_feeds(fm: Manifest, *, fq: FamilyQuant, config) -> StepFeeds:
+    entry = template_entry(fm.graphs)
+    return StepFeeds(entry.inputs, entry.shape, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                     rope_theta=config.rope_theta, max_positions=config.max_positions, mask_value=fq.mask_value)
+
+
+def _step_reader(fm: Manifest, steps, *, fq: FamilyQuant, config):
+    return trace_reader(_step_feeds(fm, fq=fq, config=config), steps)
+
+
+def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, config) -> dict[str, list[dict]]:
+    """GPTQ-round the 8-bit projection weights in the scratch float family's weight file (gptq.py)."""
+    from onnxruntime.quantization import QuantType
+
+    path = float_dir / template_entry(fm.graphs).file
+    exact = set(grid_weights(onnx.load(str(path), load_external_data=False)))  # kept on the source's grid
+    weights = [w for w in _projection_weights(config) if w not in exact]
+    if not weights:
+        return {}
+    feeds = _step_feeds(fm, fq=fq, config=config)
+    real_rows = ((feeds.feeds(s), min(s.token_ids.size, feeds.shape.ar)) for s in feeds.select(steps))
+    return gptq.round_weights(path, float_dir / WEIGHTS_FILE, real_rows, weights=weights, qtype=QuantType.QInt8)
+
+
+def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq: FamilyQuant,
+                        quant: QuantOptions, config, shared: _SharedInitializers,
+                        rounded: dict[str, list[dict]] | None = None) -> _Template:
+    """A quantizer pass over the template graph (see qdq_template.py), calibrated on the recorded steps."""
+    entry = template_entry(fm.graphs)
+    pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
+    float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
+    on_grid = grid_weights(float_proto)
+    grid = grid_overrides(on_grid, float_proto)
+    qpath = work / "q" / entry.file
+    qpath.parent.mkdir()
+    ranges = quantize_graph(float_dir / entry.file, qpath, reader=_step_reader(fm, steps, fq=fq, config=config),
+                            quant=quant.quant, pinned=pinned,
+                            weight_overrides={**weight_overrides(quant.quant, config), **grid, **(rounded or {})})
+    proto = strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned)
+    # 4-bit weights of a float source go per block too (SmolLM2 as a float source, w4a16 top-1 agreement over
+    # 300 tokens: 46 % per channel, 63 % per block). 8-bit ones stay per channel, GPTQ-rounded (`rounded`).
+    four_bit = quant.quant is Quant.W4A16
+    float_blocks = frozenset(set(_projection_weights(config)) - set(on_grid)) if four_bit else frozenset()
+    to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, bits=4 if four_bit else 8,
+                     float_blocks=float_blocks)
+    shared.absorb(proto)
+    shutil.rmtree(qpath.parent)
+    return _Template(proto=proto, float_proto=float_proto, ranges=ranges,
+                     pinned=frozenset(through_data_movement(float_dir / entry.file, pinned)))
+
+
+def _sink_template(template: _Template, float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant,
+                   config) -> _Template:
+    """The template with its activation parameters calibrated on first tokens only (see calibration.py)."""
+    ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
+                               _step_reader(fm, steps, fq=fq, config=config), sorted(template.ranges))
+    proto = recalibrated(template.proto, calibrated=template.ranges, ranges=ranges, pinned=template.pinned)
+    return dataclasses.replace(template, proto=proto, ranges=ranges)
+
+
+def _sink_graph(sink: _Template, fm: Manifest, float_dir: Path, final: Path, *, dtypes: IODtypes,
+                config) -> GraphEntry:
+    """The sink pass at the smallest decode graph's shape: the first token of a sequence runs there alone."""
+    decode = fm.graphs_of(GraphKind.DECODE)[0]
+    proto = specialize(sink.proto, sink.float_proto, onnx.load(str(float_dir / decode.file), load_external_data=False))
+    file = f"sink_{decode.file}"
+    onnx.save_model(proto, final / file)
+    inputs, outputs = graph_io(config, decode.shape, dtypes=dtypes)
+    return GraphEntry(name=f"sink_{decode.name}", file=file, kind=GraphKind.SINK, shape=decode.shape,
+                      inputs=inputs, outputs=outputs, sha256=file_sha256(final / file))
+
+
+def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
+                            prompts: list[str] | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
+    """Write the quantized family into out_dir atomically; returns its manifest."""
+    config, out_dir = model.config, Path(out_dir)
+    options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see htp_graph.py
+    options.validate(config.max_positions)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    step = on_step or (lambda _name: None)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.q.", dir=out_dir.parent))
+    try:
+        float_dir = work / "float"
+        fm = export_family(model, float_dir, options=options)
+        step("float family")
+        ids, eos, first_tokens = _prompt_ids(float_dir, prompts or calibration_prompts())
+        traces = record_traces(float_dir, ids, max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS,
+                               eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
+                               max_past_rows=template_entry(fm.graphs).shape.past_len)
+        fq = family_quant(traces, quant)
+        final = work / "family"
+        final.mkdir()
+        if quant.quant is Quant.KV_ONLY:  # float weights, unchanged: the float family's file as it is
+            shutil.copyfile(float_dir / WEIGHTS_FILE, final / WEIGHTS_FILE)
+            weights_bytes, weights_sha = fm.weights_bytes, fm.weights_sha256
+        else:
+            writer = WeightFileWriter(final / WEIGHTS_FILE)
+            shared = _SharedInitializers(writer)
+            # w8a16 only: w4a16 measured worse with it (SmolLM2, 300 tokens: 37 % vs 46 % agreement; each layer's
+            # own output error fell, but 4-bit layers feed the next ones inputs far from the float ones it is fit to)
+            rounded = (_gptq_overrides(float_dir, fm, traces.family_steps + traces.replay_steps, fq=fq, config=config)
+                       if quant.quant is Quant.W8A16 else None)
+            step("GPTQ")
+            template = _quantized_template(float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant,
+                                           config=config, shared=shared, rounded=rounded)
+            sink = _sink_template(template, float_dir, fm, traces.sink_steps, fq=fq, config=config)
+            step("quantized template")
+        entries = []
+        for entry in fm.graphs:
+            pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
+            float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
+            if quant.quant is Quant.KV_ONLY:
+                proto = add_kv_boundary(float_proto, pinned)
+            else:
+                proto = specialize(template.proto, template.float_proto, float_proto)
+            onnx.save_model(proto, final / entry.file)
+            inputs, outputs = graph_io(config, entry.shape, dtypes=io_dtypes(fq))
+            entries.append(GraphEntry(name=entry.name, file=entry.file, kind=entry.kind, shape=entry.shape,
+                                      inputs=inputs, outputs=outputs, sha256=file_sha256(final / entry.file)))
+            step(entry.name)
+        if quant.quant is not Quant.KV_ONLY:
+            entries.append(_sink_graph(sink, fm, float_dir, final, dtypes=io_dtypes(fq), config=config))
+            step("sink graph")
+            weights_bytes, weights_sha = writer.close()
+        shutil.copyfile(float_dir / TOKENIZER_FILE, final / TOKENIZER_FILE)
+        manifest = Manifest(
+            model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
+            weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=fm.chat_template,
+            special_tokens=fm.special_tokens, kv_dtype=fq.kv_dtype, quantization=fq.to_dict(), source=fm.source,
+            extra={"target": "htp", "calib_steps": len(traces.steps), "calib_prompts": len(ids)})
+        manifest.save(final)
+        step("manifest")
+        _replace_dir(final, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def num_quant_steps(options: ExportOptions, num_prompts: int, quant: Quant) -> int:
+    # float family, one per prompt trace, GPTQ and the sink graph (not for KV only), the template, each graph
+    # (the HTP family has no batched graphs), manifest
+    quantized = quant is not Quant.KV_ONLY
+    num_graphs = len(dataclasses.replace(options, batch_sizes=()).shapes()) + quantized
+    return 1 + num_prompts + quantized + 1 + num_graphs + 1

@@ -1,0 +1,168 @@
+"""The Llama graph restructured for a quantized HTP family (the note's HW-aware transformation).
+
+Differences from llama_graph.LlamaGraph, each for a reason:
+- K and V are projected per KV head (one [hidden, D] weight each), so every `new_key_{l}_h{h}` is the
+  output of its own RoPE Add and every `new_value_{l}_h{h}` of its own MatMul. A tensor made by a
+  data-movement op (Split, Reshape) must share its producer's quantization parameters; a compute op's
+  output can take the KV tensor's pinned scale/zero-point, so the new rows leave the graph with exactly
+  the parameters their past window comes in with, and nothing requantizes them.
+- Scores are K x Q^T (the past window is the MatMul's first input, read as is) and the small score
+  block is transposed, never the [P, D] window: a Transpose on HTP would copy the cache every step.
+- RMSNorm is SimplifiedLayerNormalization (QNN's RmsNorm): a quantized x^2 / mean / sqrt chain loses
+  the variance's precision in 16 bits when the hidden state has outliers.
+Batch 1 only (the HTP family exports no batched graphs).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from staticlm.export.graph.llama import LlamaGraph
+from staticlm.export.source_grid import block_grid, block_indicator, block_sum_name, offsets_name
+from staticlm.export.weight_file import WeightFileWriter
+from staticlm.runtime.family.config import ModelConfig
+from staticlm.runtime.family.contract import GraphShape, Role, graph_io, kv_name
+
+HTP_OPSET = 21
+
+
+def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray) -> None:
+    """An [in, out] projection; one exactly on a 4-bit block grid is stored as its symmetric part, block
+    offsets (source_grid.py), which HTPLlamaGraph.linear and qdq_blocks.py read."""
+    grid = block_grid(w)
+    if grid is None:
+        writer.add(name, w)
+        return
+    writer.add(name, grid.symmetric_part())
+    writer.add(offsets_name(name), grid.offsets)  # [K/32, N]
+    if block_sum_name(w.shape[0]) not in writer:
+        writer.add(block_sum_name(w.shape[0]), block_indicator(w.shape[0]))  # [K, K/32]
+
+
+def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
+    """Like llama_graph.write_weights, but Q, each K head and each V head are separate [in, out] tensors."""
+    c, f32 = config, np.float32
+    scale = 1.0 / np.sqrt(c.head_dim)  # folded into Wq, as in the float family
+    # Tied or not, the head gets its own [hidden, V] table: quantized per vocab column it keeps the logits'
+    # order (one per-tensor 8-bit table for Gather and head cost SmolLM2 top-1 agreement; QNN's Gather
+    # cannot read a per-column table). The quantized copy costs 2 V x hidden bytes (16-bit: 56 MB for SmolLM2).
+    writer.add("embed", hf["model.embed_tokens.weight"].astype(f32))
+    head = hf["model.embed_tokens.weight"] if c.tie_word_embeddings else hf["lm_head.weight"]
+    writer.add("lm_head_t", head.T.astype(f32))
+    writer.add("final_norm", hf["model.norm.weight"].astype(f32))
+    for layer in range(c.num_layers):
+        p = f"model.layers.{layer}."
+        writer.add(f"l{layer}.attn_norm", hf[p + "input_layernorm.weight"].astype(f32))
+        _add_projection(writer, f"l{layer}.q", (hf[p + "self_attn.q_proj.weight"] * scale).T.astype(f32))
+        if c.attention_bias:
+            writer.add(f"l{layer}.q_bias", (hf[p + "self_attn.q_proj.bias"] * scale).astype(f32))
+        for kind in ("k", "v"):
+            w = hf[p + f"self_attn.{kind}_proj.weight"]  # [Hkv D, hidden]
+            for h in range(c.num_kv_heads):
+                rows = slice(h * c.head_dim, (h + 1) * c.head_dim)
+                _add_projection(writer, f"l{layer}.{kind}_h{h}", w[rows].T.astype(f32))  # [hidden, D]
+                if c.attention_bias:
+                    writer.add(f"l{layer}.{kind}_bias_h{h}", hf[p + f"self_attn.{kind}_proj.bias"][rows].astype(f32))
+        _add_projection(writer, f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32))
+        writer.add(f"l{layer}.mlp_norm", hf[p + "post_attention_layernorm.weight"].astype(f32))
+        gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        _add_projection(writer, f"l{layer}.gate_up", gate_up.T.astype(f32))
+        _add_projection(writer, f"l{layer}.down", hf[p + "mlp.down_proj.weight"].T.astype(f32))
+
+
+class HTPLlamaGraph(LlamaGraph):
+    def __init__(self, config: ModelConfig, shape: GraphShape, *, weights: WeightFileWriter) -> None:
+        if shape.batch != 1:
+            raise ValueError("the HTP graph style has no batched graphs")
+        super().__init__(config, shape, weights=weights)
+        # 16-bit Q/DQ are standard from opset 21; building there spares the quantizer's version conversion
+        # (which does not know SimplifiedLayerNormalization).
+        self.g.opset = HTP_OPSET
+
+    def rms_norm(self, x: str, weight: str) -> str:
+        y = self.g.op("SimplifiedLayerNormalization", x, self.g.weight(weight), axis=-1,
+                      epsilon=float(self.c.rms_norm_eps), stash_type=1)
+        self._norm_outputs.append(y)
+        return y
+
+    def build(self, name: str):
+        """As LlamaGraph.build, but the head is a MatMul over its own [hidden, V] table: QNN HTP rejects the
+        16-bit x 8-bit Gemm(transB) (FullyConnected, validation error 3110)."""
+        g, c, s = self.g, self.c, self.s
+        self._norm_outputs: list[str] = []
+        self._block_sums: dict[str, str] = {}  # input -> its block sums
+        inputs, outputs = graph_io(c, s)
+        head = g.weight("lm_head_t")  # [hidden, V]
+        h = g.op("Gather", g.weight("embed"), "input_ids", axis=0)
+        for layer in range(c.num_layers):
+            h = g.op("Add", h, self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"),
+                                              "rope_cos", "rope_sin", "attention_bias"))
+            h = g.op("Add", h, self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm")))
+        g.op("MatMul", self.rms_norm(h, "final_norm"), head, outputs=["logits"])  # [B, AR, V]
+        model = g.model(name=name, inputs=inputs, outputs=outputs,
+                        doc=f"staticlm {name} (HTP style): AR={s.ar}, P={s.past_len}, S={s.context}")
+        # onnx shape inference does not know this ORT op; without a declared type the quantizer skips
+        # every tensor downstream of it (the final norm feeds the lm_head).
+        shape = [self.s.batch, self.s.ar, self.c.hidden_size]
+        model.graph.value_info.extend(helper.make_tensor_value_info(y, onnx.TensorProto.FLOAT, shape)
+                                      for y in self._norm_outputs)
+        return model
+
+    def linear(self, x: str, weight: str, *, out: str | None = None) -> str:
+        """x @ W, or for a weight on the source's block grid x @ Wq + (x E) @ C (source_grid.py)."""
+        g = self.g
+        named = {"outputs": [out]} if out else {}
+        if offsets_name(weight) not in g.weights:
+            y = g.op("MatMul", x, g.weight(weight), **named)
+            return out or y
+        k = g.weights.proto(weight).dims[0]
+        if x not in self._block_sums:  # [.., K/32]: once per input, shared by the weights that read it
+            self._block_sums[x] = g.op("MatMul", x, g.weight(block_sum_name(k)))
+        offsets = g.op("MatMul", self._block_sums[x], g.weight(offsets_name(weight)))
+        y = g.op("Add", g.op("MatMul", x, g.weight(weight)), offsets, **named)
+        return out or y
+
+    def _project(self, x4: str, weight: str, bias: str | None, out: str | None) -> str:
+        """[1, 1, AR, hidden] x [hidden, D] (+ bias); out names the result (a graph output)."""
+        if bias is None:
+            return self.linear(x4, weight, out=out)
+        y = self.g.op("Add", self.linear(x4, weight), self.g.weight(bias), **({"outputs": [out]} if out else {}))
+        return out or y
+
+    def _rope_named(self, x: str, cos: str, sin: str, out: str) -> str:
+        g, half = self.g, self.c.head_dim // 2
+        x1, x2 = g.op("Split", x, g.const([half, half]), axis=-1, num_outputs=2)
+        rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+        g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin), outputs=[out])
+        return out
+
+    def attention(self, layer: int, x: str, cos: str, sin: str, bias: str) -> str:
+        g, c, s = self.g, self.c, self.s
+        ar, p, grp, d = s.ar, s.past_len, c.group_size, c.head_dim
+        x4 = g.op("Reshape", x, g.const([1, 1, ar, c.hidden_size]))  # [1, 1, AR, hidden]
+        q = self.linear(x, f"l{layer}.q")  # [1, AR, H D]
+        if c.attention_bias:
+            q = g.op("Add", q, g.weight(f"l{layer}.q_bias"))
+        q = self.rope(self.heads(q, c.num_heads), cos, sin)  # [1, H, AR, D]
+        hkv = c.num_kv_heads
+        q_groups = [q] if hkv == 1 else g.op("Split", q, g.const([grp] * hkv), axis=1, num_outputs=hkv)
+        outs = []
+        for h in range(hkv):  # builds per-KV-head attention; not a runtime loop
+            kb = f"l{layer}.k_bias_h{h}" if c.attention_bias else None
+            vb = f"l{layer}.v_bias_h{h}" if c.attention_bias else None
+            new_k = self._rope_named(self._project(x4, f"l{layer}.k_h{h}", kb, None), cos, sin,
+                                     kv_name(Role.NEW_KEY, layer, h))  # [1, 1, AR, D]
+            new_v = self._project(x4, f"l{layer}.v_h{h}", vb, kv_name(Role.NEW_VALUE, layer, h))
+            past_k, past_v = kv_name(Role.PAST_KEY, layer, h), kv_name(Role.PAST_VALUE, layer, h)
+            q_t = g.op("Transpose", g.op("Reshape", q_groups[h], g.const([1, 1, grp * ar, d])), perm=[0, 1, 3, 2])
+            s_past = g.op("MatMul", past_k, q_t)  # [1, 1, P, g AR]: the window read in place
+            s_new = g.op("MatMul", new_k, q_t)  # [1, 1, AR, g AR]
+            scores = g.op("Transpose", g.op("Concat", s_past, s_new, axis=2), perm=[0, 1, 3, 2])  # [1, 1, gAR, P+AR]
+            scores = g.op("Add", g.op("Reshape", scores, g.const([1, grp, ar, p + ar])), bias)  # [1, g, AR, P+AR]
+            probs = g.op("Softmax", scores, axis=-1)
+            p_past, p_new = g.op("Split", probs, g.const([p, ar]), axis=-1, num_outputs=2)
+            outs.append(g.op("Add", g.op("MatMul", p_past, past_v), g.op("MatMul", p_new, new_v)))  # [1, g, AR, D]
+        o = outs[0] if hkv == 1 else g.op("Concat", *outs, axis=1)  # [1, H, AR, D]
+        o = g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.const([1, ar, c.num_heads * d]))
+        return self.linear(o, f"l{layer}.o")

@@ -1,0 +1,248 @@
+"""One QDQ graph from one float graph, with ONNX Runtime's QNN tooling, then integer boundaries.
+
+`get_qnn_qdq_config` + `quantize` do all the quantizing. Tensor overrides pin every boundary tensor to
+family-wide parameters (each past/new KV pair to one scale and zero-point), because the KV buffer is
+shared by every graph. The quantizer never changes graph I/O types, so `strip_boundary` then removes the
+boundary QuantizeLinear/DequantizeLinear: inputs and outputs become the integers themselves.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from staticlm.runtime.family.contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role, TensorSpec, kv_tensor_index
+from staticlm.runtime.family.quant_params import FamilyQuant, Quant, TensorQuant
+
+Q_OPS, DQ_OPS = {"QuantizeLinear"}, {"DequantizeLinear"}
+
+
+def _qtype(dtype: str):
+    from onnxruntime.quantization import QuantType
+
+    return {"uint16": QuantType.QUInt16, "uint8": QuantType.QUInt8, "int4": QuantType.QInt4}[dtype]
+
+
+def _pinned(t: TensorQuant) -> list[dict]:
+    return [{"quant_type": _qtype(t.dtype), "scale": np.array(t.scale, np.float32),
+             "zero_point": np.array(t.zero_point, np.dtype(t.dtype))}]
+
+
+def boundary_params(specs: tuple[TensorSpec, ...], fq: FamilyQuant, *, num_kv_heads: int) -> dict[str, TensorQuant]:
+    """Graph I/O name -> the family parameters it must carry."""
+    out = {}
+    for s in specs:
+        if s.role in (*KV_INPUT_ROLES, *KV_OUTPUT_ROLES):
+            is_value = s.role in (Role.PAST_VALUE, Role.NEW_VALUE)
+            out[s.name] = fq.kv[kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=is_value,
+                                                num_kv_heads=num_kv_heads)]
+        elif s.role in (Role.ROPE_COS, Role.ROPE_SIN) and fq.rope is not None:
+            out[s.name] = fq.rope
+        elif s.role is Role.ATTENTION_BIAS and fq.mask is not None:
+            out[s.name] = fq.mask
+        elif s.role is Role.LOGITS and fq.logits is not None:
+            out[s.name] = fq.logits
+    return out
+
+
+DATA_MOVEMENT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def through_data_movement(float_path: Path, pinned: dict[str, TensorQuant]) -> dict[str, TensorQuant]:
+    """Pin also the tensor a data-movement op copies into a pinned output (logits = Reshape(Gemm)):
+    the quantizer gives such an op's output its input's parameters, ignoring an override on the output."""
+    g = onnx.load(str(float_path), load_external_data=False).graph
+    producer = {o: n for n in g.node for o in n.output}
+    out = dict(pinned)
+    for name, t in pinned.items():
+        node = producer.get(name)
+        while node is not None and node.op_type in DATA_MOVEMENT:
+            out[node.input[0]] = t
+            node = producer.get(node.input[0])
+    return out
+
+
+# ONNX Runtime's MinMax calibration takes the exact extremes of the calibration steps. Text outside them
+# clips: on the tiny model a K projection reached 1.11x its calibrated maximum on the held-out text and came
+# out 12 % wrong. Widening every activation range costs log2(1.25) = 0.3 of 16 bits.
+ACTIVATION_HEADROOM = 1.25
+MINIMUM_REAL_RANGE = 0.0001  # get_qnn_qdq_config's extra option MinimumRealRange (checked in quantize_graph)
+
+
+def _tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) -> list[str]:
+    """The float activations ORT's calibrator would pick: inputs/outputs of the ops to quantize."""
+    g = model.graph
+    infos = {vi.name: vi for vi in (*g.value_info, *g.output, *g.input)}
+    weights = {i.name for i in g.initializer}
+    wanted = set(op_types or ())
+    names = set()
+    for node in g.node:
+        if wanted and node.op_type not in wanted:
+            continue
+        for name in (*node.input, *node.output):
+            vi = infos.get(name)
+            if vi is not None and name not in weights and vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+                names.add(name)
+    return sorted(names)
+
+
+Ranges = dict[str, tuple[np.ndarray, np.ndarray]]  # activation -> (lowest, highest), widened
+
+
+def tensor_values(float_path: Path, names: list[str], feeds: Iterable[dict]) -> Iterator[list[np.ndarray]]:
+    """Run the float graph with the named intermediate tensors as extra outputs; their values for each feed."""
+    import onnxruntime as ort
+
+    model = onnx.load(str(float_path), load_external_data=False)
+    present = {o.name for o in model.graph.output}
+    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in present)
+    path = float_path.with_name(f"{float_path.stem}.tensors.onnx")  # next to it: weights.bin resolves
+    onnx.save_model(model, path)
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    finally:
+        path.unlink(missing_ok=True)  # the session holds the graph
+    for f in feeds:
+        yield session.run(names, f)
+
+
+def calibrated_ranges(float_path: Path, reader, names: list[str]) -> Ranges:
+    """MinMax calibration of the named tensors as ORT's MinMaxCalibrater computes it (min and max over every
+    step), every range widened. The calibrator's own graph augmentation inserts two nodes per tensor with a
+    linear search each (a third of SmolLM2's export time); listing the tensors as graph outputs and reducing
+    them in numpy gives the same ranges."""
+    lo = {n: np.inf for n in names}
+    hi = {n: -np.inf for n in names}
+    for values in tensor_values(float_path, names, iter(reader.get_next, None)):
+        for n, value in zip(names, values):
+            lo[n], hi[n] = min(lo[n], float(value.min())), max(hi[n], float(value.max()))
+    if not all(np.isfinite(lo[n]) for n in names):
+        raise ValueError("calibration read no steps")
+    return {n: (np.array(min(lo[n], 0.0) * ACTIVATION_HEADROOM + max(lo[n], 0.0), np.float32),
+                np.array(max(hi[n], 0.0) * ACTIVATION_HEADROOM + min(hi[n], 0.0), np.float32)) for n in names}
+
+
+def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pinned: dict[str, TensorQuant],
+                   weight_overrides: dict[str, list[dict]]) -> Ranges:
+    """QDQ model of float_path (calibrated on reader) at out_path, its weights in out_path's .data file;
+    returns the activation ranges it was calibrated with."""
+    from onnxruntime.quantization import QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, save_tensors_data
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
+
+    overrides = {name: _pinned(t) for name, t in through_data_movement(float_path, pinned).items()}
+    overrides.update(weight_overrides)
+    config = get_qnn_qdq_config(
+        str(float_path), reader, activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QUInt8 if quant is Quant.W8A16 else QuantType.QInt4,
+        per_channel=False, init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])
+    if config.extra_options.get("MinimumRealRange") != MINIMUM_REAL_RANGE:  # recalibrated() repeats the formula
+        raise ValueError(f"onnxruntime's QNN config changed MinimumRealRange: {config.extra_options}")
+    cache = out_path.with_suffix(".calibration.json")
+    names = _tensors_to_calibrate(load_model_with_shape_infer(float_path), config.op_types_to_quantize)
+    ranges = calibrated_ranges(float_path, reader, names)
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), cache)
+    # quantize() with this config, but reading the widened ranges instead of calibrating again. Weights go
+    # to one side file (use_external_data_format), moved into the family's file later.
+    quantize_static(str(float_path), str(out_path), None, calibrate_method=config.calibrate_method,
+                    quant_format=config.quant_format, activation_type=config.activation_type,
+                    weight_type=config.weight_type, op_types_to_quantize=config.op_types_to_quantize,
+                    nodes_to_quantize=config.nodes_to_quantize, nodes_to_exclude=config.nodes_to_exclude,
+                    per_channel=config.per_channel, reduce_range=config.reduce_range,
+                    use_external_data_format=True, calibration_providers=config.calibration_providers,
+                    extra_options=config.extra_options, calibration_cache_path=str(cache))
+    return ranges
+
+
+def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges,
+                 pinned: frozenset[str]) -> onnx.ModelProto:
+    """A copy of model (quantize_graph's output, calibrated on `calibrated`) with the activation parameters the
+    quantizer computes from `ranges` instead: same nodes, same weights, same pinned and fixed parameters.
+
+    A second quantizer pass over other calibration steps differs from the first in exactly these numbers
+    (tests/test_htp.py compares the two) but costs minutes on SmolLM2, where this costs milliseconds. A
+    parameter is taken as calibrated only when it is not pinned (quantize_graph's pinned tensors, with
+    through_data_movement) and the quantizer's formula on its `calibrated` range gives the value in the
+    model; fixed-range outputs (Sigmoid, Softmax) and tensors sharing another tensor's parameters (Reshape)
+    fail that check and stay as they are.
+    """
+    from onnxruntime.quantization.quant_utils import compute_scale_zp, get_qmin_qmax_for_qType
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {i.name: i for i in out.graph.initializer}
+
+    def params(lo_hi, zp_type: int):
+        qmin, qmax = get_qmin_qmax_for_qType(zp_type, reduce_range=False, symmetric=False)
+        zero, scale = compute_scale_zp(lo_hi[0], lo_hi[1], qmin, qmax, False, MINIMUM_REAL_RANGE)
+        return np.float32(scale.squeeze()), zero.squeeze()
+
+    # "_convert": the parameters of a tensor's second type where consumers want another one (uint16 -> uint8 KV)
+    for (name, new_range), suffix in itertools.product(ranges.items(), ("", "_convert")):
+        scale_init, zp_init = inits.get(f"{name}_scale{suffix}"), inits.get(f"{name}_zero_point{suffix}")
+        if scale_init is None or zp_init is None or name not in calibrated or name in pinned:
+            continue
+        scale, zero = numpy_helper.to_array(scale_init), numpy_helper.to_array(zp_init)
+        old_scale, old_zero = params(calibrated[name], zp_init.data_type)
+        if scale.shape or scale != old_scale or zero != old_zero:
+            continue  # not from this tensor's calibrated range
+        new_scale, new_zero = params(new_range, zp_init.data_type)
+        scale_init.CopyFrom(numpy_helper.from_array(np.array(new_scale, np.float32), scale_init.name))
+        zp_init.CopyFrom(numpy_helper.from_array(np.array(new_zero, zero.dtype), zp_init.name))
+    return out
+
+
+def _consumers(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto]:
+    return [n for n in graph.node if name in n.input]
+
+
+def strip_boundary(model: onnx.ModelProto, pinned: dict[str, TensorQuant]) -> onnx.ModelProto:
+    """Make each pinned graph input/output its integer form, removing the boundary Q (inputs) / DQ (outputs).
+
+    Input x: x -> Q -> q -> DQ -> ... becomes x(int) -> DQ -> ...
+    Output y: ... -> Q -> q -> DQ -> y becomes ... -> Q -> y(int); consumers inside the graph that read
+    the DQ output keep reading a DQ (of the integer output), so the step's own attention sees exactly
+    the integers the next step will read back.
+    """
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    for vi in g.input:
+        if vi.name not in pinned:
+            continue
+        (q,) = [n for n in _consumers(g, vi.name) if n.op_type in Q_OPS] or [None]
+        if q is None or len(_consumers(g, vi.name)) != 1:
+            raise ValueError(f"input {vi.name}: expected exactly one QuantizeLinear consumer")
+        q_out = q.output[0]
+        g.node.remove(q)
+        for n in _consumers(g, q_out):
+            n.input[:] = [vi.name if i == q_out else i for i in n.input]
+        vi.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pinned[vi.name].dtype))
+    for vo in g.output:
+        if vo.name not in pinned:
+            continue
+        dq = producer.get(vo.name)
+        if dq is None or dq.op_type not in DQ_OPS:
+            raise ValueError(f"output {vo.name}: not produced by a DequantizeLinear")
+        q_out = dq.input[0]
+        q = producer[q_out]
+        if q.op_type not in Q_OPS:
+            raise ValueError(f"output {vo.name}: its DequantizeLinear does not read a QuantizeLinear")
+        for n in g.node:  # the integer tensor takes the output's name
+            n.input[:] = [vo.name if i == q_out else i for i in n.input]
+        q.output[0] = vo.name
+        inner = _consumers(g, vo.name)
+        inner = [n for n in inner if n is not dq]
+        if inner:  # keep the DQ for in-graph readers, under a new name
+            deq = f"{vo.name}_dequantized"
+            dq.output[0] = deq
+            for n in inner:
+                n.input[:] = [deq if i == vo.name else i for i in n.input]
+        else:
+            g.node.remove(dq)
+        vo.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pinned[vo.name].dtype))
+    return model

@@ -1,0 +1,199 @@
+"""manifest.json: the family describes itself and is checked at load, never inferred from file names."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from .config import ModelConfig
+from .contract import GraphShape, KVLayout, Role, TensorSpec, num_kv_tensors
+
+MAGIC = "staticlm-family"
+# 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # older families are still valid as written
+MANIFEST_NAME = "manifest.json"
+
+
+class ManifestError(ValueError):
+    """The exported directory is missing, corrupt or from another format version."""
+
+
+class GraphKind(str, Enum):
+    DECODE = "decode"  # AR = 1, P = S - 1
+    PREFILL = "prefill"  # AR = N, P = S - N; also the verifier for speculative decoding
+    # AR = 1, only for the first token of a sequence (quantized families): see calibration.py, "sink"
+    SINK = "sink"
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    name: str
+    file: str
+    kind: GraphKind
+    shape: GraphShape
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    sha256: str
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits per sequence: AR, or 1 for a prompt graph that scores its last real row only."""
+        return next(s.shape[1] for s in self.outputs if s.role is Role.LOGITS)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "file": self.file, "kind": self.kind.value,
+                "batch": self.shape.batch, "ar": self.shape.ar, "past_len": self.shape.past_len,
+                "context": self.shape.context, "sha256": self.sha256,
+                "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GraphEntry:
+        shape = GraphShape(batch=int(d["batch"]), ar=int(d["ar"]), past_len=int(d["past_len"]))
+        if shape.context != int(d["context"]):
+            raise ManifestError(f"graph {d['name']}: context {d['context']} != past_len + ar")
+        return cls(name=d["name"], file=d["file"], kind=GraphKind(d["kind"]), shape=shape,
+                   inputs=tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
+                   outputs=tuple(TensorSpec.from_dict(t) for t in d["outputs"]), sha256=d["sha256"])
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token: str | None
+    eos_token: str | None
+    add_bos_token: bool
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: ModelConfig
+    graphs: tuple[GraphEntry, ...]
+    weights_file: str
+    weights_bytes: int
+    weights_sha256: str
+    tokenizer_file: str
+    chat_template: str | None
+    special_tokens: SpecialTokens
+    kv_layout: KVLayout = KVLayout.PER_HEAD
+    kv_dtype: str = "float32"
+    quantization: dict | None = None
+    source: str = ""
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def max_context(self) -> int:
+        return max(g.shape.context for g in self.graphs)
+
+    def graphs_of(self, kind: GraphKind, *, batch: int = 1) -> tuple[GraphEntry, ...]:
+        """The ladder of one kind and batch size, smallest past window first."""
+        return tuple(sorted((g for g in self.graphs if g.kind == kind and g.shape.batch == batch),
+                            key=lambda g: g.shape.past_len))
+
+    @property
+    def quant(self):
+        """The family's FamilyQuant (boundary quantization parameters), or None for a float family."""
+        if self.quantization is None:
+            return None
+        from .quant_params import FamilyQuant
+
+        return FamilyQuant.from_dict(self.quantization, num_kv_tensors=num_kv_tensors(self.model))
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({g.shape.batch for g in self.graphs}))
+
+    def to_dict(self) -> dict:
+        st = self.special_tokens
+        return {"magic": MAGIC, "format_version": self.format_version, "source": self.source,
+                "model": self.model.to_dict(), "kv_layout": self.kv_layout.value, "kv_dtype": self.kv_dtype,
+                "weights": {"file": self.weights_file, "bytes": self.weights_bytes, "sha256": self.weights_sha256},
+                "tokenizer": {"file": self.tokenizer_file, "chat_template": self.chat_template,
+                              "bos_token_id": st.bos_token_id, "eos_token_ids": list(st.eos_token_ids),
+                              "bos_token": st.bos_token, "eos_token": st.eos_token,
+                              "add_bos_token": st.add_bos_token},
+                "quantization": self.quantization, "graphs": [g.to_dict() for g in self.graphs],
+                "extra": self.extra}
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / MANIFEST_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _parse(d: dict) -> Manifest:
+    if d.get("magic") != MAGIC:
+        raise ManifestError(f"not a staticlm manifest (magic {d.get('magic')!r})")
+    version = d.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise ManifestError(f"manifest format version {version} is not supported (this staticlm reads "
+                            f"{FORMAT_VERSION}); re-export the model with this version")
+    tok, w = d["tokenizer"], d["weights"]
+    manifest = Manifest(
+        model=ModelConfig.from_dict(d["model"]), graphs=tuple(GraphEntry.from_dict(g) for g in d["graphs"]),
+        weights_file=w["file"], weights_bytes=int(w["bytes"]), weights_sha256=w["sha256"],
+        tokenizer_file=tok["file"], chat_template=tok.get("chat_template"),
+        special_tokens=SpecialTokens(bos_token_id=tok.get("bos_token_id"),
+                                     eos_token_ids=tuple(tok.get("eos_token_ids") or ()),
+                                     bos_token=tok.get("bos_token"), eos_token=tok.get("eos_token"),
+                                     add_bos_token=bool(tok.get("add_bos_token"))),
+        kv_layout=KVLayout(d["kv_layout"]), kv_dtype=d["kv_dtype"], quantization=d.get("quantization"),
+        source=d.get("source", ""), format_version=version, extra=d.get("extra") or {})
+    if manifest.quantization is not None:
+        from .quant_params import QuantParamsError
+
+        try:
+            quant = manifest.quant
+        except QuantParamsError as e:
+            raise ManifestError(str(e)) from None
+        if quant.kv_dtype != manifest.kv_dtype:
+            raise ManifestError(f"kv_dtype {manifest.kv_dtype} disagrees with the KV quantization type {quant.kv_dtype}")
+    return manifest
+
+
+def load_manifest(directory: str | Path, *, verify_weights: bool = False) -> Manifest:
+    """Parse and check a family directory; every failure is one ManifestError line."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise ManifestError(f"model directory {directory} does not exist (run `staticlm export` first)")
+    if not path.is_file():
+        raise ManifestError(f"{path} is missing: {directory} is not an exported staticlm model")
+    try:
+        manifest = _parse(json.loads(path.read_text()))
+    except ManifestError:
+        raise
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path} is corrupt: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{path} is corrupt: bad or missing field {e}") from None
+    if not manifest.graphs:
+        raise ManifestError(f"{path} lists no graphs")
+    for name in (manifest.weights_file, manifest.tokenizer_file):
+        if not (directory / name).is_file():
+            raise ManifestError(f"{directory / name} is missing")
+    size = (directory / manifest.weights_file).stat().st_size
+    if size != manifest.weights_bytes:
+        raise ManifestError(f"{directory / manifest.weights_file} is {size} bytes, the manifest says "
+                            f"{manifest.weights_bytes}: the file is truncated or from another export")
+    if verify_weights and file_sha256(directory / manifest.weights_file) != manifest.weights_sha256:
+        raise ManifestError(f"{directory / manifest.weights_file} does not match its checksum")
+    for graph in manifest.graphs:
+        gpath = directory / graph.file
+        if not gpath.is_file():
+            raise ManifestError(f"graph file {gpath} is missing")
+        if file_sha256(gpath) != graph.sha256:
+            raise ManifestError(f"graph file {gpath} is corrupt (checksum mismatch)")
+    return manifest
