@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: install xvfb chat generate export test test-fast clean
+.PHONY: install xvfb chat generate export test test-fast lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +38,15 @@ export: $(STAMP)
 	$(BIN)/staticlm export
 
 test: $(STAMP) xvfb
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -31,3 +31,7 @@ def sigint_sets(flag: StopFlag):
         yield flag
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped the generation; the partial output was already printed."""

@@ -4,15 +4,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 
+from staticlm.errors import UserError
 from staticlm.export.graph.llama import LlamaGraph, write_weights
 from staticlm.export.htp.graph import HTPLlamaGraph, write_htp_weights
-from staticlm.export.sources.load import LoadedModel
+from staticlm.export.sources import LoadedModel
 from staticlm.runtime.family.contract import GraphShape, graph_io
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, SpecialTokens, file_sha256
 
@@ -26,7 +28,7 @@ DEFAULT_VERIFY_LENS = (4, 8, 16)
 DEFAULT_BATCH_SIZES = (4,)
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """Options that cannot produce a valid family."""
 
 
@@ -36,7 +38,7 @@ class ExportOptions:
     prefill_len: int = DEFAULT_PREFILL_LEN
     verify_lens: tuple[int, ...] = DEFAULT_VERIFY_LENS  # extra AR=N graphs sized for speculative verification
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES  # batched decode graphs, for several responses at once
-    htp_style: bool = False  # per-head K/V projections for quantized HTP graphs (see htp_graph.py)
+    htp_style: bool = False  # per-head K/V projections for quantized HTP graphs (see export/htp/graph.py)
 
     def validate(self, max_positions: int) -> None:
         if not self.contexts:
@@ -70,19 +72,13 @@ class ExportOptions:
         return out
 
 
-def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions = ExportOptions(),
+def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions | None = None,
                   on_step: Callable[[str], None] | None = None) -> Manifest:
-    """Write the family into out_dir atomically: a failed export leaves an existing out_dir untouched."""
-    config = model.config
+    """Write the float family into out_dir atomically (see staged_family)."""
+    config, options = model.config, options or ExportOptions()
     options.validate(config.max_positions)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     step = on_step or (lambda _name: None)
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    work.chmod(0o777 & ~umask)  # mkdtemp makes it private; the family is an ordinary directory
-    try:
+    with staged_family(out_dir) as work:
         writer = WeightFileWriter(work / WEIGHTS_FILE)
         graph_class, write = (HTPLlamaGraph, write_htp_weights) if options.htp_style else (LlamaGraph, write_weights)
         write(config, model.weights, writer)
@@ -103,11 +99,25 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
             special_tokens=special_tokens(model), source=model.source)
         manifest.save(work)
         step("manifest")
-        _replace_dir(work, out_dir)
+    return manifest
+
+
+@contextmanager
+def staged_family(out_dir: str | Path) -> Iterator[Path]:
+    """A scratch directory beside out_dir that replaces out_dir only when the block ends without an error: a failed
+    or interrupted export leaves an existing out_dir as it was, and no scratch behind."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)  # mkdtemp makes it private; the family is an ordinary directory
+    try:
+        yield work
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    return manifest
+    _replace_dir(work, out_dir)
 
 
 def special_tokens(model: LoadedModel) -> SpecialTokens:

@@ -1,9 +1,9 @@
 """The source's own 4-bit grid, kept exactly in the quantized HTP family.
 
 A GGUF Q4_1 tensor stores each block of 32 inputs of an output row as w = d q + m (q in 0..15, one d and m per
-block). Rounding those weights again onto a per-channel 8-bit grid moves almost all of them (SmolLM2 w8a16:
-3 points of top-1 agreement lost to the weights alone). They are exact on a symmetric block grid plus one
-offset per block:
+block). Rounding those weights again onto a per-channel 8-bit grid moves almost all of them (SmolLM2 w8a16
+loses top-1 agreement with float to the weights alone). They are exact on a symmetric block grid plus one
+offset per block (tests/test_source_grid.py::test_q4_1_weights_decompose_exactly):
 
     w = d (q - 8) + c,  c = m + 8 d     so     x W = x Wq + (x E) C
 

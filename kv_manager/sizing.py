@@ -1,4 +1,4 @@
-"""Memory and allocation-period models from the design notes."""
+"""Models of KV memory (the shared buffer) and of BMC's allocation period."""
 from __future__ import annotations
 
 import math
@@ -6,12 +6,13 @@ import math
 
 def kv_bytes(*, num_layers: int, num_kv_heads: int, context: int, head_dim: int, bits: int,
              reserve: float = 2.0) -> int:
-    """The design note's shared-memory formula: reserve x 2 (K, V) x layers x heads x (S-1) x D x bits/8.
+    """The shared KV buffer's size: reserve x 2 (K, V) x layers x heads x (S-1) x D x bits/8.
 
-    With reserve 2 and Llama 7B (32 layers, 32 heads, D 128, 16-bit, S 2048) it gives 2,146,435,072 bytes;
-    the note's compromise, reserve 1.5 (S-1 + (S-1)/2 rows), gives 1,609,826,304.
+    With reserve 2 and Llama 7B (32 layers, 32 heads, D 128, 16-bit, S 2048): 2,146,435,072 bytes; reserve 1.5
+    (S-1 + (S-1)/2 rows, fewer bytes for more compactions): 1,609,826,304.
     """
-    # The note multiplies out the fractional row count ((S-1) x 1.5 = 3070.5); so do we, to match its figures.
+    # The fractional row count ((S-1) x 1.5 = 3070.5) is multiplied out, not rounded per buffer, so the formula
+    # stays one product.
     return round(reserve * 2 * num_layers * num_kv_heads * (context - 1) * head_dim * bits / 8)
 
 

@@ -6,6 +6,8 @@ from enum import Enum
 
 import numpy as np
 
+from staticlm.errors import UserError
+
 
 class Strategy(str, Enum):
     POINTER = "pointer"  # ours: 2(S-1) rows, windows move by pointer arithmetic, one compaction per S-1 tokens
@@ -20,7 +22,7 @@ class Overflow(str, Enum):
     SLIDE = "slide"  # forget the oldest rows; positions keep counting
 
 
-class ContextFull(RuntimeError):
+class ContextFull(UserError, RuntimeError):
     """The cache cannot take more tokens under the chosen overflow policy."""
 
 
@@ -49,7 +51,8 @@ class KVSpec:
         if self.pad_values is not None and len(self.pad_values) != self.num_tensors:
             raise ValueError(f"{len(self.pad_values)} pad values for {self.num_tensors} KV tensors")
         if self.heads_per_buffer < 1 or (self.heads_per_buffer > 1 and self.num_tensors % (2 * self.heads_per_buffer)):
-            raise ValueError(f"{self.num_tensors} KV tensors do not group into buffers of {self.heads_per_buffer} heads")
+            raise ValueError(f"{self.num_tensors} KV tensors do not group into buffers of "
+                             f"{self.heads_per_buffer} heads")
 
     @property
     def num_buffers(self) -> int:

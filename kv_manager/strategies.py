@@ -1,9 +1,10 @@
-"""Four ways to make room for new KV rows, behind one interface (see cache.py)."""
+"""The strategies that make room for new KV rows, each a few hooks of one interface (see cache.py)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .cache import KVCache
+from .sizing import choose_bmc_r
 from .spec import KVSpec, Strategy
 
 
@@ -134,7 +135,5 @@ def make_kv_cache(spec: KVSpec, strategy: Strategy = Strategy.POINTER, *, bmc_r:
     if strategy is Strategy.IN_PLACE:
         return InPlaceCache(spec)
     if bmc_r is None:
-        from .sizing import choose_bmc_r
-
         bmc_r = choose_bmc_r(max_context=spec.max_past + 1, c_prime=0.1)  # the paper's measured C'
     return BMCCache(spec, r=bmc_r)

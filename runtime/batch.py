@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .detokenizer import StreamDecoder
+from staticlm.errors import InvalidOption
+
 from .engine import Engine
-from .generator import FinishReason, GenerationParams
 from .sampling import sample
-from .stopping import StopStringMatcher
+from .text_stream import FinishReason, GenerationParams, TextStream
 from .tokenizer import Tokenizer
 
 
@@ -29,57 +29,23 @@ class Response:
     last_token_s: float
 
 
-class _Stream:
-    """One response's text state: detokenizer, stop strings, pieces."""
-
-    def __init__(self, tokenizer: Tokenizer, params: GenerationParams) -> None:
-        self.decoder, self.stopper = StreamDecoder(tokenizer), StopStringMatcher(params.stop_strings)
-        self.ids: list[int] = []
-        self.pieces: list[str] = []
-        self.reason: FinishReason | None = None
-        self.first_s = self.last_s = 0.0
-
-    def push(self, token: int, *, eos: set[int], params: GenerationParams, now: float) -> str:
-        if not self.ids:
-            self.first_s = now
-        self.ids.append(token)
-        self.last_s = now
-        if token in eos and not params.ignore_eos:
-            self.reason = FinishReason.EOS
-            return self._finish()
-        text, stopped = self.stopper.push(self.decoder.push(token))
-        if stopped:
-            self.reason = FinishReason.STOP_STRING
-        elif len(self.ids) >= params.max_new_tokens:
-            self.reason = FinishReason.LENGTH
-            text += self._finish()
-        self.pieces.append(text)
-        return text
-
-    def _finish(self) -> str:
-        tail, _ = self.stopper.push(self.decoder.flush())
-        tail += self.stopper.flush()
-        self.pieces.append(tail)
-        return tail
-
-
 class BatchGenerator:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, *, num_responses: int, speculator=None) -> None:
         if num_responses < 2:
-            raise ValueError(f"--num-responses must be >= 2 for a batch, got {num_responses}")
+            raise InvalidOption(f"--num-responses must be >= 2 for a batch, got {num_responses}")
         self.engine, self.tokenizer = engine, tokenizer
         self.batch = Engine(engine.model_dir, options=engine.options, batch=num_responses, weights_from=engine)
         self.speculator = speculator  # a BatchSpeculator, or None
         if speculator is not None and not self.batch.verify_lens:
-            raise ValueError(f"{engine.model_dir} has no batched verify graphs for {num_responses} responses: "
-                             f"export it with --batch-sizes {num_responses}")
+            raise InvalidOption(f"{engine.model_dir} has no batched verify graphs for {num_responses} responses: "
+                                f"export it with --batch-sizes {num_responses}")
         self.rng = np.random.default_rng()
 
     def generate(self, prompt_ids: list[int], params: GenerationParams, *,
                  on_text: Callable[[int, str], None] = lambda seq, text: None,
                  should_stop: Callable[[], bool] = lambda: False) -> list[Response]:
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidOption("the prompt is empty")
         if params.sampling.seed is not None:
             self.rng = np.random.default_rng(params.sampling.seed)
         t0 = time.perf_counter()
@@ -87,8 +53,7 @@ class BatchGenerator:
         self.engine.reset()
         logits = self.engine.prefill(prompt_ids)
         self.batch.load_prefix(self.engine)
-        eos = set(self.tokenizer.eos_token_ids)
-        streams = [_Stream(self.tokenizer, params) for _ in range(num)]
+        streams = [TextStream(self.tokenizer, params) for _ in range(num)]
         # Per sequence, tokens to show: all but the last are already in the cache; the last is pending.
         fresh = [[sample(logits, params.sampling, rng=self.rng, history=prompt_ids)] for _ in range(num)]
         last = np.zeros(num, np.int64)  # [B] the pending tokens
@@ -98,7 +63,7 @@ class BatchGenerator:
             for seq in np.flatnonzero(active).tolist():
                 last[seq] = fresh[seq][-1]
                 for token in fresh[seq]:
-                    text = streams[seq].push(token, eos=eos, params=params, now=now)
+                    text = streams[seq].push(token, now=now)
                     if text:
                         on_text(seq, text)
                     if streams[seq].reason is not None:
@@ -108,13 +73,15 @@ class BatchGenerator:
                 break
             if should_stop():
                 for seq in np.flatnonzero(active).tolist():
-                    streams[seq].reason = FinishReason.CANCELLED
+                    text = streams[seq].cancel()
+                    if text:
+                        on_text(seq, text)
                 break
             fresh = self._step(last, active=active, prompt_ids=prompt_ids, streams=streams, params=params)
-        return [Response(token_ids=s.ids, text="".join(s.pieces), finish_reason=s.reason,
+        return [Response(token_ids=s.ids, text=s.text, finish_reason=s.reason,
                          first_token_s=s.first_s, last_token_s=s.last_s) for s in streams]
 
-    def _step(self, last: np.ndarray, *, active: np.ndarray, prompt_ids: list[int], streams: list[_Stream],
+    def _step(self, last: np.ndarray, *, active: np.ndarray, prompt_ids: list[int], streams: list[TextStream],
               params: GenerationParams) -> list[list[int]]:
         """One batched call: a verify step when speculation runs and pays, else one decode step."""
         if self.speculator is not None:

@@ -17,6 +17,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from staticlm.errors import InvalidOption, UserError
+
 ROLES = ("system", "user", "assistant", "tool")
 
 # Used when a model ships no template of its own.
@@ -28,7 +30,7 @@ DEFAULT_CHATML = (
 )
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError, ValueError):
     pass
 
 
@@ -39,9 +41,9 @@ class Message:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"message role must be one of {', '.join(ROLES)}, got {self.role!r}")
+            raise InvalidOption(f"message role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not isinstance(self.content, str):
-            raise ValueError(f"message content must be text, got {type(self.content).__name__}")
+            raise InvalidOption(f"message content must be text, got {type(self.content).__name__}")
 
 
 class _GenerationTag(Extension):
@@ -85,7 +87,8 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {_one_line(e.message or '')}") from None
+        raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: "
+                                f"{_one_line(e.message or '')}") from None
 
 
 def _as_dict(message: Mapping[str, Any] | Message) -> dict[str, Any]:
@@ -93,7 +96,7 @@ def _as_dict(message: Mapping[str, Any] | Message) -> dict[str, Any]:
         return {"role": message.role, "content": message.content}
     if isinstance(message, Mapping):
         return dict(message)
-    raise ValueError(f"a chat message must be a Message or a mapping, got {type(message).__name__}")
+    raise InvalidOption(f"a chat message must be a Message or a mapping, got {type(message).__name__}")
 
 
 def render_chat(template: str, messages: Sequence[Mapping[str, Any] | Message], *, add_generation_prompt: bool,

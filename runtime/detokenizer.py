@@ -4,6 +4,11 @@ Same scheme as HF TGI and vLLM. Only the window ids[prefix:] is decoded, and the
 ids[prefix:read] (already shown) is subtracted from it. Decoding from `prefix` rather than `read`
 gives the decoder one token of left context. That context is what makes SentencePiece's
 leading-space rule and byte-level BPE's byte joining come out as in a full decode.
+
+tokenizers' own DecodeStream runs the same scheme but does not fit here: it has no flush (the bytes of a
+character that never completes are lost when the response ends), and where a later token changes text already
+shown (a byte-fallback run that turns out invalid UTF-8) it raises instead of going on
+(tests/test_text.py: test_stream_decoder_flushes_an_unfinished_character, test_stream_decoder_takes_any_ids).
 """
 from __future__ import annotations
 

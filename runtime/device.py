@@ -1,7 +1,6 @@
 """Execution devices and the ONNX Runtime sessions that run on them."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable
@@ -10,8 +9,12 @@ from enum import Enum
 from pathlib import Path
 
 import onnxruntime as ort
+import psutil
+
+from staticlm.errors import UserError
 
 from . import qnn_context
+from .family.manifest import read_manifest
 
 QNN_EP = "QNNExecutionProvider"
 # SM8650 (Snapdragon 8 Gen 3); the x86_64 HTP emulator needs an explicit SoC to finalize graphs.
@@ -24,7 +27,7 @@ class Device(str, Enum):
     HTP = "htp"
 
 
-class DeviceError(RuntimeError):
+class DeviceError(UserError, RuntimeError):
     """The requested device cannot be used; the message says what to install or choose."""
 
 
@@ -43,12 +46,7 @@ def parse_device(name: str) -> Device:
 
 
 def physical_cores() -> int:
-    try:
-        import psutil
-
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except ImportError:  # psutil is a dependency, but a missing one must not stop generation
-        return os.cpu_count() or 1
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def _qnn_module():
@@ -70,7 +68,7 @@ def qnn_ep_devices() -> list:
     if not _registered:
         try:
             ort.register_execution_provider_library(QNN_EP, qnn.get_library_path())
-        except Exception as e:  # ORT raises its own Fail type; the cause matters, not the type
+        except Exception as e:  # noqa: BLE001 -- ORT's errors (Fail, ...) derive from Exception alone
             raise DeviceError(f"could not register the QNN execution provider: {str(e).splitlines()[0]}") from None
         _registered = True
     return [d for d in ort.get_ep_devices() if d.ep_name == QNN_EP]
@@ -99,12 +97,10 @@ def qnn_cache_key(model_path: Path, soc_model: str) -> str:
     return qnn_context.cache_key([Path(model_path)], soc_model, _qnn_version())
 
 
-def _family_graph_files(model_dir: Path) -> tuple[Path, ...]:
-    try:
-        graphs = json.loads((model_dir / "manifest.json").read_text())["graphs"]
-        return tuple(sorted({model_dir / g["file"] for g in graphs}))
-    except (OSError, ValueError, KeyError, TypeError):
-        return ()
+def family_graph_files(model_dir: Path) -> tuple[Path, ...]:
+    """The family's graph files, from its manifest (ManifestError when it cannot be read)."""
+    model_dir = Path(model_dir)
+    return tuple(sorted({model_dir / g.file for g in read_manifest(model_dir).graphs}))
 
 
 def _htp_session_options(options: DeviceOptions) -> ort.SessionOptions:
@@ -118,14 +114,6 @@ def _htp_session_options(options: DeviceOptions) -> ort.SessionOptions:
     # A graph that would silently run partly on the CPU must fail loudly instead.
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     return so
-
-
-def family_graph_files(model_dir: Path) -> tuple[Path, ...]:
-    """The family's graph files, from its manifest; DeviceError when it has none."""
-    files = _family_graph_files(Path(model_dir))
-    if not files:
-        raise DeviceError(f"{model_dir} has no readable manifest with graphs")
-    return files
 
 
 def compile_shared_context(model_dir: Path, *, options: DeviceOptions,
@@ -179,7 +167,7 @@ def _shared_context_for(path: Path, cache_dir: Path, options: DeviceOptions) -> 
     """The graph's model in the family's compiled shared context, where one exists and can be loaded here."""
     if qnn_context.EMULATOR or not cache_dir.is_dir():
         return None
-    files = _family_graph_files(path.parent)
+    files = family_graph_files(path.parent)
     if path not in files:
         return None
     shared = qnn_context.shared_context_dir(cache_dir, qnn_context.cache_key(list(files), options.soc_model,
@@ -206,7 +194,7 @@ def _create_htp_session(path: Path, *, options: DeviceOptions, cache_dir: Path |
                     so.add_session_config_entry(k, v)
     try:
         return ort.InferenceSession(str(load), sess_options=so)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- ORT's errors derive from Exception alone
         raise DeviceError(f"the HTP backend could not run {path.name}: {str(e).splitlines()[0][:300]}") from None
 
 
@@ -215,7 +203,7 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     """shared_weights (a SharedWeights) makes CPU sessions of one family reference one weight mapping.
 
     prepack lets ORT keep its own repacked copy of each weight for this session: multi-row graphs (batched,
-    verify, prefill) run much faster with it (M=4 matmuls: 2.5x), at the cost of that copy's memory.
+    verify, prefill) run faster with it, at the cost of that copy's memory.
     """
     path = Path(model_path)
     if device is Device.HTP:
@@ -224,7 +212,7 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = options.num_threads or physical_cores()
     so.inter_op_num_threads = 1
-    # Workers spin between the ~1,000 small nodes of a step (parking them costs 6-16 % per decode step here),
+    # Workers spin between the ~1,000 small nodes of a step (parking and waking them at each node slows decode),
     # but stop the moment the run returns: a family has many sessions, each with its own pool, and a pool
     # still spinning after its run steals the cores from the next graph's pool (verify and decode alternate).
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
@@ -233,9 +221,9 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     if shared_weights is not None:
         shared_weights.attach(path, so)
     if shared_weights is not None and not prepack:
-        # Prepacking would give every session its own repacked copy of each weight (550 MB each in fp32).
+        # Prepacking would give every session its own repacked copy of each weight (the whole model again, per session).
         so.add_session_config_entry("session.disable_prepacking", "1")
     try:
         return ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- ORT's errors derive from Exception alone
         raise DeviceError(f"ONNX Runtime could not load {path.name}: {str(e).splitlines()[0][:300]}") from None

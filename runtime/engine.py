@@ -8,16 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
-from staticlm.kv_manager import ContextFull, KVSpec, Overflow, Strategy, attention_bias, make_kv_cache
-from staticlm.runtime.family.contract import KVLayout, graph_io, num_kv_tensors
+from staticlm.kv_manager import ContextFull, KVSpec, Overflow, Strategy, make_kv_cache
+from staticlm.runtime.family.contract import graph_io, num_kv_tensors
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, load_manifest
 from staticlm.runtime.family.weights import SharedWeights
 
 from .device import Device, DeviceOptions, create_session, resolve_device
-from .graph_runner import GraphRunner
-from .in_place_runner import InPlaceRunner
 from .ladder import ladder_step, rung_past_len
+from .layout import LAYOUTS
 from .rope import RopeTable
+from .runner import FamilyContext, Runner
 
 
 @dataclass(frozen=True)
@@ -75,22 +75,23 @@ class Engine:
         self._verify = {ar: tuple(g for g in multi if g.shape.ar == ar) for ar in self.verify_lens}
         # A quantized family's first token runs alone in a graph with its own activation ranges
         self._sink = self.manifest.graphs_of(GraphKind.SINK, batch=batch)[:1]
-        # In-place graphs (GroupQueryAttention) append their own rows: no windows, no ladder, one binding.
-        self.in_place = self.manifest.kv_layout is KVLayout.IN_PLACE
+        self.layout = LAYOUTS[self.manifest.kv_layout]
+        self.kv_strategy = self.layout.kv_strategy(options.kv_strategy, model_dir=self.model_dir)  # the one in use
         self.kv = make_kv_cache(
             KVSpec(num_tensors=num_kv_tensors(cfg), head_dim=cfg.head_dim, dtype=self.manifest.kv_dtype,
                    max_past=self._decode[-1].shape.past_len, max_ar=max(self.prefill_len, 1),
                    max_positions=cfg.max_positions, reserve=options.kv_reserve, overflow=options.overflow,
                    batch=batch, pad_values=self.quant.kv_pad_values if self.quant else None,
-                   heads_per_buffer=cfg.num_kv_heads if self.in_place else 1),
-            self._strategy(options.kv_strategy), bmc_r=options.bmc_r)
-        self.rope = RopeTable(head_dim=cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.max_positions)
-        self._runners: dict[str, GraphRunner | InPlaceRunner] = {}
+                   heads_per_buffer=self.layout.heads_per_buffer(cfg)),
+            self.kv_strategy, bmc_r=options.bmc_r)
+        rope = RopeTable(head_dim=cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.max_positions)
+        self._family = FamilyContext(config=cfg, rope=rope, quant=self.quant)
+        self._runners: dict[str, Runner] = {}
         self._sessions: dict[str, object] = {}  # graph file -> its ORT session
         self._ladder_entries: dict[str, GraphEntry] = {}
         # A family whose graphs take any past length (the cpu target) decodes on BMC's ladder, r rows a rung.
         self._ladder_step = (ladder_step(max_context=self.max_context, override=options.bmc_r)
-                             if self.manifest.extra.get("dynamic_past") and not self.in_place else None)
+                             if self.manifest.extra.get("dynamic_past") and self.layout.climbs_ladder else None)
         self._token = np.zeros(1, np.int64)
         self._verify_time: dict[int, tuple[int, float]] = {}  # AR -> (steps, seconds)
         if weights_from is not None:
@@ -100,31 +101,18 @@ class Engine:
                                     if self.device is Device.CPU and options.share_weights else None)
         self.counters = StepCounters()
 
-    def _strategy(self, asked: Strategy) -> Strategy:
-        """The in-place layout has one strategy; the window strategies need per-head windows."""
-        asked = Strategy(asked)
-        if not self.in_place and asked is Strategy.IN_PLACE:
-            raise ValueError(f"KV strategy in_place needs in-place graphs; {self.model_dir} has per-head windows "
-                             "(use pointer, bmc, shift or concat)")
-        if self.in_place and asked not in (Strategy.POINTER, Strategy.IN_PLACE):  # pointer: the default
-            raise ValueError(f"{self.model_dir} keeps its KV in place (GroupQueryAttention graphs), so KV strategy "
-                             f"{asked.value} does not apply; export with --cpu-attention windows to compare strategies")
-        return Strategy.IN_PLACE if self.in_place else asked
-
     # -- graphs -------------------------------------------------------------------------
-    def runner(self, entry: GraphEntry) -> GraphRunner | InPlaceRunner:
+    def runner(self, entry: GraphEntry) -> Runner:
         if entry.name not in self._runners:
             # Entries may share a file (a symbolic past length serves every rung): one session per file.
             session = self._sessions.get(entry.file) or create_session(
                 self.model_dir / entry.file, device=self.device, options=self.options.device,
                 cache_dir=self.model_dir / ".qnn_cache", shared_weights=self._shared_weights,
-                # MatMulNBits without its prepacked weights dequantizes every weight on every step (30x slower)
-                prepack=self._ladder_step is not None or self.in_place
+                # MatMulNBits without its prepacked weights dequantizes every weight on every step
+                prepack=self.layout.prepacks or self._ladder_step is not None
                 or (self.options.prepack and entry.shape.batch * entry.shape.ar > 1))
             self._sessions[entry.file] = session
-            self._runners[entry.name] = (
-                InPlaceRunner(session, entry, max_positions=self.config.max_positions) if self.in_place else
-                GraphRunner(session, entry, num_kv_heads=self.config.num_kv_heads, quant=self.quant))
+            self._runners[entry.name] = self.layout.runner(session, entry, family=self._family)
         return self._runners[entry.name]
 
     def warm_up(self) -> None:
@@ -142,8 +130,8 @@ class Engine:
 
     def _rung(self, graphs: tuple[GraphEntry, ...], num_valid: int) -> GraphEntry:
         """The context ladder: the smallest past window that holds every valid row."""
-        # Prompt chunks and verify steps climb it too (measured: prefill -5 % CPU per token at 1000 tokens).
-        if self.in_place:  # the graph attends over the cached rows only, whatever the entry's window
+        # Prompt chunks and verify steps climb it too: a smaller window is less attention work per row.
+        if not self.layout.climbs_ladder:  # the graph attends over the cached rows only, whatever its window
             return graphs[-1]
         if self._ladder_step is not None and num_valid < graphs[-1].shape.past_len:
             return self._ladder_entry(graphs[-1], num_valid)
@@ -174,24 +162,14 @@ class Engine:
 
         tokens: [n] for one sequence or [B, n].
         """
-        shape, num_real = entry.shape, tokens.shape[-1]
-        self.kv.prepare(past_len=shape.past_len, ar=shape.ar)
-        run = self.runner(entry)
-        run.input_ids[:, :num_real] = tokens
+        num_real = tokens.shape[-1]
+        self.kv.prepare(past_len=entry.shape.past_len, ar=entry.shape.ar)
+        runner = self.runner(entry)
+        runner.input_ids[:, :num_real] = tokens
         # Padding rows repeat the last real token. Never id 0: SmolLM2's <|endoftext|> carries massive
-        # activations (residual 15,000 vs ~130) wherever it is, and calibration must see what runs.
-        run.input_ids[:, num_real:] = run.input_ids[:, num_real - 1:num_real]
-        if self.in_place:
-            run.set_rows(lengths=self.kv.lengths, positions=self.kv.positions, num_real=num_real)
-            run.bind_buffers(self.kv)
-            run.run()
-            return run.logits
-        positions = self.kv.positions[:, None] + run.row_offsets  # [B, AR]
-        self.rope.fill(positions, cos_out=run.rope_cos, sin_out=run.rope_sin)
-        attention_bias(lengths=self.kv.lengths, past_len=shape.past_len, ar=shape.ar, out=run.attention_bias)
-        run.bind_kv(self.kv.window_addresses(shape.past_len), self.kv.slot_addresses(shape.ar))
-        run.run()
-        return run.logits
+        # activations wherever it is, and calibration must see what runs.
+        runner.input_ids[:, num_real:] = runner.input_ids[:, num_real - 1:num_real]
+        return runner.run(self.kv, num_real=num_real)
 
     def _step(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
         """Run and commit every real row; the last real token's logits [V]."""
@@ -248,7 +226,8 @@ class Engine:
         """Refuse, before anything runs, what the error policy could not finish."""
         if self.options.overflow is Overflow.ERROR and self.num_cached + num_new > self.max_context:
             raise ContextFull(f"context full: {self.num_cached} cached + {num_new} new tokens exceed the "
-                              f"largest context {self.max_context}; use --on-overflow slide or export larger --context sizes")
+                              f"largest context {self.max_context}; use --on-overflow slide or export larger "
+                              "--context sizes")
 
     def prefill(self, token_ids) -> np.ndarray:
         """Append tokens to the cache in prefill-graph chunks; returns the last token's logits [V]."""

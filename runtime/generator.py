@@ -7,35 +7,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 
 import numpy as np
 
-from .detokenizer import StreamDecoder
+from staticlm.errors import InvalidOption
+
 from .engine import Engine
 from .sampling import SamplingParams, sample
-from .stopping import StopStringMatcher
+from .text_stream import FinishReason, GenerationParams, TextStream
 from .tokenizer import Tokenizer
 
-
-class FinishReason(str, Enum):
-    EOS = "eos"
-    STOP_STRING = "stop_string"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_new_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_strings: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+_GREEDY = SamplingParams()  # frozen, so one default object serves every call
 
 
 @dataclass
@@ -78,7 +61,7 @@ class Generator:
         self.tokens.extend(ids)
         self._sync_slide()
 
-    def generate_next_token(self, params: SamplingParams = SamplingParams()) -> int:
+    def generate_next_token(self, params: SamplingParams = _GREEDY) -> int:
         if self._pending is not None:
             self._logits = self.engine.decode(self._pending).copy()
             self.tokens.append(self._pending)
@@ -90,7 +73,7 @@ class Generator:
         self._pending = token
         return token
 
-    def next_tokens(self, params: SamplingParams = SamplingParams()) -> list[int]:
+    def next_tokens(self, params: SamplingParams = _GREEDY) -> list[int]:
         """The next token, or several when a speculator is set and its drafts are accepted."""
         if self.speculator is not None:
             tokens = self.speculator.step(self, params)
@@ -152,7 +135,7 @@ class Generator:
                 ids = ids[len(self.dropped):]
         cached = self.tokens + ([self._pending] if self._pending is not None else [])
         common = 0
-        for a, b in zip(cached, ids):
+        for a, b in zip(cached, ids, strict=False):  # the shorter one ends the common prefix
             if a != b:
                 break
             common += 1
@@ -168,51 +151,32 @@ class Generator:
                should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
         """Yields text chunks; the summary is in `self.last_result` afterwards."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidOption("the prompt is empty")
         if params.sampling.seed is not None:
             self.seed(params.sampling.seed)
         t0 = time.perf_counter()
         todo = self.sync_prefix(list(prompt_ids))
         self.append_tokens(todo)
         t_prefill = time.perf_counter() - t0
-        decoder, stopper = StreamDecoder(self.tokenizer), StopStringMatcher(params.stop_strings)
-        eos = set(self.tokenizer.eos_token_ids)
-        out_ids: list[int] = []
-        pieces: list[str] = []
-        reason, ttft, t_first = FinishReason.LENGTH, 0.0, 0.0
-        while len(out_ids) < params.max_new_tokens:
+        out = TextStream(self.tokenizer, params)
+        while out.reason is None:
             if should_stop():
-                reason = FinishReason.CANCELLED
-                break
-            for token in self.next_tokens(params.sampling):
-                if not out_ids:
-                    t_first = time.perf_counter()
-                    ttft = t_first - t0
-                out_ids.append(token)
-                if token in eos and not params.ignore_eos:
-                    reason = FinishReason.EOS
-                    break
-                text, stopped = stopper.push(decoder.push(token))
+                text = out.cancel()
                 if text:
-                    pieces.append(text)
                     yield text
-                if stopped:
-                    reason = FinishReason.STOP_STRING
-                    break
-                if len(out_ids) >= params.max_new_tokens:
-                    break
-            if reason is not FinishReason.LENGTH:
                 break
-        if reason in (FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.EOS):
-            tail, _ = stopper.push(decoder.flush())
-            tail += stopper.flush()
-            if tail:
-                pieces.append(tail)
-                yield tail
-        num_decoded = max(len(out_ids) - 1, 0)
-        decode_time = time.perf_counter() - t_first if out_ids else 0.0
+            tokens = self.next_tokens(params.sampling)
+            now = time.perf_counter() - t0
+            for token in tokens:
+                text = out.push(token, now=now)
+                if text:
+                    yield text
+                if out.reason is not None:
+                    break
+        num_decoded = max(len(out.ids) - 1, 0)
+        decode_time = time.perf_counter() - t0 - out.first_s if out.ids else 0.0
         self.last_result = GenerationResult(
-            token_ids=out_ids, text="".join(pieces), finish_reason=reason, prompt_tokens=len(todo), ttft_s=ttft,
+            token_ids=out.ids, text=out.text, finish_reason=out.reason, prompt_tokens=len(todo), ttft_s=out.first_s,
             prefill_tok_s=len(todo) / t_prefill if t_prefill > 0 else 0.0,
             decode_tok_s=num_decoded / decode_time if decode_time > 0 else 0.0)
 

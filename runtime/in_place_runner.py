@@ -8,58 +8,64 @@ from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
-from onnxruntime.capi import _pybind_state as C
 
-from staticlm.runtime.family.contract import BUFFER_OUTPUT_ROLES, KV_INPUT_ROLES, Role
+from staticlm.kv_manager import KVCache
+from staticlm.runtime.family.contract import BUFFER_OUTPUT_ROLES, KV_INPUT_ROLES, Role, TensorSpec
 from staticlm.runtime.family.manifest import GraphEntry
+
+from .ort_binding import IOBinding
+from .runner import FamilyContext
+
+
+def _by_buffer(specs: tuple[TensorSpec, ...], roles: tuple[Role, Role]) -> list[str]:
+    """Names in the kv_manager's buffer order: buffer g = 2 layer + (V)."""
+    return [s.name for s in sorted((s for s in specs if s.role in roles), key=lambda s: (s.layer, s.role == roles[1]))]
 
 
 class InPlaceRunner:
-    def __init__(self, session: ort.InferenceSession, entry: GraphEntry, *, max_positions: int) -> None:
-        self.session, self.entry, self.shape = session, entry, entry.shape
-        self._binding = C.SessionIOBinding(session._sess)
-        self._cpu = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+    def __init__(self, session: ort.InferenceSession, entry: GraphEntry, *, family: FamilyContext) -> None:
+        self.entry, self.shape = entry, entry.shape
+        self._binding = IOBinding(session)
         b, ar = self.shape.batch, self.shape.ar
-        self.max_positions = max_positions
+        self._max_position = family.config.max_positions - 1
         self.input_ids = np.zeros((b, ar), np.int64)  # [B, AR]
         self.position_ids = np.zeros((b, ar), np.int64)  # [B, AR] absolute positions (they survive a slide)
         self.seqlens_k = np.zeros(b, np.int32)  # [B] rows cached after the step, minus one
         self.total_length = np.zeros((), np.int32)  # [] an upper bound of those rows, at least AR
         self.query_lengths = np.zeros(b, np.int32)  # [B] real rows of the step
-        self.row_offsets = np.arange(ar)  # [AR]
+        self._row_offsets = np.arange(ar)  # [AR]
         names = {s.role: s.name for s in entry.inputs if s.role not in KV_INPUT_ROLES}
         for role, array in ((Role.INPUT_IDS, self.input_ids), (Role.POSITION_IDS, self.position_ids),
                             (Role.SEQLENS_K, self.seqlens_k), (Role.TOTAL_LENGTH, self.total_length),
                             (Role.QUERY_LENGTHS, self.query_lengths)):
-            self._binding.bind_input(names[role], self._cpu, array.dtype, list(array.shape), array.ctypes.data)
+            self._binding.bind_input(names[role], array)
         logits = next(s for s in entry.outputs if s.role == Role.LOGITS)
-        self.logits = np.zeros(logits.shape, np.float32)  # [B, AR, V]
-        self._binding.bind_output(logits.name, self._cpu, self.logits.dtype, list(self.logits.shape),
-                                  self.logits.ctypes.data)
-        by_layer = lambda specs, roles: sorted((s for s in specs if s.role in roles),  # noqa: E731
-                                               key=lambda s: (s.layer, s.role == roles[1]))
-        # buffer g = 2 layer + (V): the kv_manager's buffer order
-        self._buffer_names = list(zip((s.name for s in by_layer(entry.inputs, KV_INPUT_ROLES)),
-                                      (s.name for s in by_layer(entry.outputs, BUFFER_OUTPUT_ROLES))))
+        self.logits = np.zeros(logits.shape, np.float32)  # [B, AR, V], or [B, 1, V]: the last real row only
+        self._binding.bind_output(logits.name, self.logits)
+        self._buffer_names = list(zip(_by_buffer(entry.inputs, KV_INPUT_ROLES),
+                                      _by_buffer(entry.outputs, BUFFER_OUTPUT_ROLES), strict=True))  # (past, present)
         self._bound: tuple[int, int] | None = None  # (id of the cache, its buffer generation)
 
-    def set_rows(self, *, lengths: np.ndarray, positions: np.ndarray, num_real: int) -> None:
+    def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
+        self._set_rows(lengths=kv.lengths, positions=kv.positions, num_real=num_real)
+        self._bind_buffers(kv)
+        self._binding.run()
+        return self.logits
+
+    def _set_rows(self, *, lengths: np.ndarray, positions: np.ndarray, num_real: int) -> None:
         """lengths [B] rows cached before the step, positions [B] the absolute position of the first new row."""
-        np.minimum(positions[:, None] + self.row_offsets, self.max_positions - 1, out=self.position_ids)
+        np.add(positions[:, None], self._row_offsets, out=self.position_ids)
+        np.minimum(self.position_ids, self._max_position, out=self.position_ids)
         self.query_lengths[:] = num_real
-        self.seqlens_k[:] = lengths + (num_real - 1)
+        np.add(lengths, num_real - 1, out=self.seqlens_k)
         self.total_length[...] = max(int(lengths.max()) + num_real, self.shape.ar)
 
-    def bind_buffers(self, kv) -> None:
+    def _bind_buffers(self, kv: KVCache) -> None:
         """Bind every buffer as past and present, unless this cache's current buffers already are."""
         key = (id(kv), kv.buffer_generation)
         if key == self._bound:
             return
-        bind_in, bind_out, dev = self._binding.bind_input, self._binding.bind_output, self._cpu
         for (past, present), buf in zip(self._buffer_names, kv.buffers(), strict=True):
-            bind_in(past, dev, buf.dtype, list(buf.shape), buf.ctypes.data)
-            bind_out(present, dev, buf.dtype, list(buf.shape), buf.ctypes.data)
+            self._binding.bind_input(past, buf)
+            self._binding.bind_output(present, buf)
         self._bound = key
-
-    def run(self) -> None:
-        self.session._sess.run_with_iobinding(self._binding, None)

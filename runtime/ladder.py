@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from staticlm.errors import InvalidOption
 from staticlm.kv_manager.sizing import choose_bmc_r
 
 PAPER_C_PRIME = 0.1
@@ -61,7 +62,7 @@ def ladder_step(*, max_context: int, override: int | None = None, rates: HostRat
     """r: rows the window grows by per rung."""
     if override is not None:
         if override < 1:
-            raise ValueError(f"--bmc-r must be >= 1, got {override}")
+            raise InvalidOption(f"--bmc-r must be >= 1, got {override}")
         return override
     rates = rates or load_rates()
     return choose_bmc_r(max_context=max_context, c_prime=rates.c_prime if rates else PAPER_C_PRIME)

@@ -7,7 +7,7 @@ Two forms, both under the family's `.qnn_cache`:
   group (`ep.share_ep_contexts`, the last session with `ep.stop_share_ep_contexts`), so the weights the
   graphs have in common are stored and loaded once. QNN compiles this offline on x86_64 for a device; the
   device loads it with `ep.share_ep_contexts` so each session takes its graph from the one binary.
-  Measured here: the x86_64 emulator (onnxruntime-qnn 2.7.0, QAIRT 2.51) crashes with a null call inside
+  The x86_64 emulator (seen with onnxruntime-qnn 2.7.0, QAIRT 2.51) crashes with a null call inside
   libQnnHtp.so when it deserializes any context holding more than one graph (with or without weight
   sharing), so the emulator never loads the shared form; it stays a build artifact for devices.
 """

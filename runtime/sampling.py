@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from staticlm.errors import InvalidOption
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,7 +33,7 @@ class SamplingParams:
         )
         for ok, message in checks:
             if not ok:  # also catches NaN, for which every comparison is False
-                raise ValueError(message)
+                raise InvalidOption(message)
 
     @property
     def is_greedy(self) -> bool:
@@ -63,10 +65,11 @@ def _nucleus_superset(raw: np.ndarray, *, temperature: float, top: float,
     does); Z = sum(exp(raw / T - top)) over all of them.
 
     The nucleus is a prefix of the sorted order, so it lies inside the mask (ties at the boundary come along),
-    and only those tokens need sorting: sorting SmolLM2's 49,152 took 3-7 ms a token. The rank test and the
-    mass outside the mask run in float32 (SIMD partition and exp; float64 over the whole vocabulary cost
-    1.3 ms a token here); float32 rounding keeps the order, so the mask stays a prefix. The probabilities
-    inside come from float64; the float32 tail only enters the top_p test, at a relative 1e-7 of its mass.
+    and only those tokens need sorting: partitioning is O(V) a token, sorting the whole vocabulary O(V log V).
+    The rank test and the mass outside the mask run in float32 (SIMD partition and exp over half the bytes
+    float64 would take over the whole vocabulary); float32 rounding keeps the order, so the mask stays a
+    prefix. The probabilities inside come from float64; the float32 tail only enters the top_p test, at a
+    relative 1e-7 of its mass.
     """
     r32 = raw.astype(np.float32, copy=False)
     exp32 = np.exp((r32 - r32.max()) * np.float32(1.0 / temperature))

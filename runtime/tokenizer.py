@@ -6,6 +6,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .family.manifest import ManifestError
+
 
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
@@ -29,11 +31,11 @@ class Tokenizer:
                   add_bos_token: bool = False) -> Tokenizer:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"tokenizer file not found: {path}")
+            raise ManifestError(f"tokenizer file not found: {path}")
         try:
             tok = _HFTokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception for unreadable JSON
-            raise ValueError(f"cannot read tokenizer {path}: {_one_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for unreadable JSON
+            raise ManifestError(f"cannot read tokenizer {path}: {_one_line(e)}") from None
         return cls(tok, bos_token_id=bos_token_id, eos_token_ids=eos_token_ids, add_bos_token=add_bos_token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

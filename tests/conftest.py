@@ -66,10 +66,11 @@ def tiny_hf_model(tiny_hf_dir):
 @pytest.fixture(scope="session")
 def tiny_family(tiny_hf_dir, tmp_path_factory) -> Path:
     from staticlm.export.family import ExportOptions, export_family
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     out = tmp_path_factory.mktemp("tiny_family") / "family"
-    export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,)))
+    export_family(load_model(tiny_hf_dir), out,
+                  options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,)))
     return out
 
 
@@ -77,10 +78,11 @@ def tiny_family(tiny_hf_dir, tmp_path_factory) -> Path:
 def tiny_chat_family(tiny_hf_dir, tmp_path_factory) -> Path:
     """Contexts long enough for a few chat turns of the byte-level tiny tokenizer."""
     from staticlm.export.family import ExportOptions, export_family
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     out = tmp_path_factory.mktemp("tiny_chat") / "family"
-    export_family(load_model(tiny_hf_dir), out, options=ExportOptions(contexts=(256, 512), prefill_len=16, verify_lens=(4, 8)))
+    export_family(load_model(tiny_hf_dir), out,
+                  options=ExportOptions(contexts=(256, 512), prefill_len=16, verify_lens=(4, 8)))
     return out
 
 
@@ -91,7 +93,7 @@ def rng() -> np.random.Generator:
 
 @pytest.fixture(scope="session")
 def smollm2_loaded():
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     return load_model("smollm2-135m")
 
@@ -126,7 +128,7 @@ def smollm2_hf_model(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_family):
-    from staticlm.apps.common import open_tokenizer
+    from staticlm.runtime.model import open_tokenizer
 
     return open_tokenizer(smollm2_family)
 
@@ -134,6 +136,6 @@ def smollm2_tokenizer(smollm2_family):
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The default model's GGUF file (fetched into the staticlm cache on first use)."""
-    from staticlm.export.sources.load import default_gguf_path
+    from staticlm.export.sources import default_gguf_path
 
     return default_gguf_path()

@@ -119,7 +119,8 @@ def test_json_output_fields(tiny_family):
 
 @pytest.mark.slow
 def test_ctrl_c_mid_generation(smollm2_small_family):
-    proc = subprocess.Popen([sys.executable, "-m", "staticlm.apps.cli", "generate", "--model", str(smollm2_small_family),
+    proc = subprocess.Popen([sys.executable, "-m", "staticlm.apps.cli", "generate",
+                             "--model", str(smollm2_small_family),
                              "--prompt", "Tell me a long story.", "--max-new-tokens", "4000", "--ignore-eos",
                              "--on-overflow", "slide", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

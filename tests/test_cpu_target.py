@@ -23,7 +23,7 @@ def export_tiny(hf_dir, out: Path, **cpu_kw) -> Path:
     from staticlm.export.cpu.family import export_cpu_family
     from staticlm.export.cpu.graph import CpuOptions
     from staticlm.export.family import ExportOptions
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     export_cpu_family(load_model(hf_dir), out, cpu=CpuOptions(**cpu_kw),
                       options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,)))
@@ -277,10 +277,10 @@ def test_batched_and_speculative_decoding_reproduce_plain_decoding(cpu_families,
     # The batch-4 graph (per-sequence windows, or ragged lengths in one in-place buffer) and the verify graphs
     # (AR=4 rows, right-padded) run the same math as the AR=1 graph: same logits per sequence, same greedy
     # tokens with prompt-lookup drafts.
-    from staticlm.apps.common import open_tokenizer
     from staticlm.runtime.drafters import PromptLookupDrafter
     from staticlm.runtime.engine import Engine
     from staticlm.runtime.generator import GenerationParams, Generator
+    from staticlm.runtime.model import open_tokenizer
     from staticlm.runtime.speculative import Speculator
 
     family = cpu_families[name]
@@ -330,9 +330,9 @@ def test_window_strategy_on_an_in_place_family_is_a_one_line_error(cpu_families)
 # -- SmolLM2 ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_int4_top1_agrees_with_float_on_the_eval_text(smollm2_loaded, tmp_path):
-    from staticlm.apps.common import open_tokenizer
     from staticlm.export.cpu.family import export_cpu_family
     from staticlm.export.family import ExportOptions, export_family
+    from staticlm.runtime.model import open_tokenizer
 
     options = ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(), batch_sizes=())
     export_family(smollm2_loaded, tmp_path / "float", options=options)

@@ -34,10 +34,10 @@ def home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def base_settings(tiny_chat_family):
-    from staticlm.apps.gui.settings import AppSettings
+    from staticlm.apps.gui.settings import app_settings
 
     # ignore_eos: the random tiny model may end an answer at any token; the tests need answers of known length.
-    return AppSettings(model_dir=str(tiny_chat_family), device=Device.CPU, temperature=0.0, max_new_tokens=24,
+    return app_settings(model_dir=str(tiny_chat_family), device=Device.CPU, temperature=0.0, max_new_tokens=24,
                        system_prompt="", overflow=Overflow.SLIDE, ignore_eos=True)
 
 
@@ -231,22 +231,22 @@ def test_app_falls_back_to_the_terminal_without_a_display(monkeypatch, capsys):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(gui_app.sys, "platform", "linux")
     calls = []
-    monkeypatch.setattr("staticlm.apps.commands.chat.run_chat", lambda **kw: calls.append(kw) or 0)
+    monkeypatch.setattr(gui_app, "run_chat", lambda **kw: calls.append(kw) or 0)
     assert cli.main(["app", "--device", "cpu", "--temperature", "0.3"]) == 0
-    assert calls and calls[0]["run"].device == "cpu" and calls[0]["params"].sampling.temperature == 0.3
+    assert calls and calls[0]["options"].device == Device.CPU and calls[0]["options"].temperature == 0.3
+    assert calls[0]["options"].max_new_tokens == 256  # the terminal chat keeps the CLI's defaults
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "terminal chat" in err[0]
 
 
 def test_cli_options_override_the_saved_settings():
-    from staticlm.apps.cli import build_parser
-    from staticlm.apps.gui.app import settings_with
-    from staticlm.apps.gui.settings import AppSettings
+    from staticlm.apps.cli import build_parser, typed_run_options
+    from staticlm.apps.gui.settings import app_settings
 
     args = build_parser().parse_args(["app", "--device", "cpu", "--on-overflow", "error", "--max-new-tokens", "9"])
-    typed = {k: v for k, v in vars(args).items() if k != "command"}
-    assert set(typed) == {"device", "on_overflow", "max_new_tokens"}  # untyped options stay unset
-    s = settings_with(AppSettings(temperature=0.2), typed)
+    typed = typed_run_options(args)
+    assert set(typed) == {"device", "overflow", "max_new_tokens"}  # untyped options stay unset
+    s = app_settings(temperature=0.2).replace(**typed)
     assert (s.device, s.overflow, s.max_new_tokens, s.temperature) == (Device.CPU, Overflow.ERROR, 9, 0.2)
 
 
@@ -294,9 +294,10 @@ def test_cyclic_garbage_is_collected_on_the_gui_thread_while_the_worker_lives(qt
     weakref.finalize(holder, lambda: freed_on.append(threading.current_thread() is threading.main_thread()))
     del holder
 
-    def churn():  # allocations trip the GUI timer's threshold check, as the real app's would
-        junk = [[] for _ in range(1000)]
-        del junk
+    kept: list = []
+
+    def churn():  # live allocations trip the GUI timer's threshold check, as the real app's would (a freed one
+        kept.append([[] for _ in range(1000)])  # undoes its count, so these stay until the wait ends)
         return bool(freed_on)
 
     qtbot.waitUntil(churn, timeout=10_000)

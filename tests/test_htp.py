@@ -16,9 +16,10 @@ from onnx import helper, numpy_helper
 from test_cli_errors import assert_one_line_error, staticlm
 
 from staticlm.export.family import ExportOptions, export_family
+from staticlm.export.htp.options import QuantOptions
 from staticlm.runtime.device import Device, DeviceOptions
 from staticlm.runtime.engine import Engine, EngineOptions
-from staticlm.runtime.family.quant_params import KVBits, Quant, QuantOptions
+from staticlm.runtime.family.quant_params import KVBits, Quant
 
 CPU = DeviceOptions(device=Device.CPU, num_threads=2)
 HTP = DeviceOptions(device=Device.HTP)
@@ -27,7 +28,7 @@ TEXT = b"Every winter the harbour town grows quiet; the ferries run less."  # 56
 
 def _export(hf_dir: Path, out: Path, *, q4_1_source: bool = False, **quant) -> Path:
     from staticlm.export.htp.family import export_quantized_family
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     model = load_model(hf_dir)
     if q4_1_source:  # the projections as a Q4_1 GGUF holds them (the gguf package's quantizer)
@@ -229,7 +230,7 @@ def test_sink_recalibration_equals_a_second_quantizer_pass(kv_bits, tiny_hf_dir,
 
     from staticlm.export.htp import family as qf
     from staticlm.export.htp.calibration import record_traces
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
     from staticlm.export.weight_file import WeightFileWriter
 
     loaded = load_model(tiny_hf_dir)
@@ -280,7 +281,7 @@ def test_q4_1_source_keeps_its_grid(family, levels_type, request, tiny_hf_dir):
     offsets, and together they give back the gguf package's Q4_1 weights, so no weight was rounded again."""
     from onnx.reference import ReferenceEvaluator
 
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     directory = request.getfixturevalue(family)
     model = onnx.load(str(directory / "decode_s64.onnx"))  # weights loaded from the family's file
@@ -428,9 +429,9 @@ def test_compile_refuses_a_float_family(tiny_family, tmp_path):
 def test_smollm2_w8a16_agreement(smollm2_loaded, tmp_path):
     """A shortened `staticlm eval`: the smallest family that holds a 300-token window, teacher-forced."""
     from staticlm.apps.commands.eval_metrics import compare, held_out_text
-    from staticlm.apps.common import open_tokenizer
     from staticlm.export.htp.calibration import calibration_prompts
     from staticlm.export.htp.family import export_quantized_family
+    from staticlm.runtime.model import open_tokenizer
 
     options = ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(), batch_sizes=())
     export_family(smollm2_loaded, tmp_path / "float", options=options)
@@ -482,7 +483,7 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
     from staticlm.export.htp import family as qf
     from staticlm.export.htp.calibration import StepFeeds, record_traces
     from staticlm.export.htp.template import template_entry
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     loaded = load_model(tiny_hf_dir)
     contexts = (32, 512)  # the short chats (~130 byte tokens here) reach past the tiny families' 64
@@ -544,7 +545,7 @@ def test_calibration_replay_chunks_recompute_the_conversation(tiny_hf_dir, tmp_p
 
     from staticlm.export.htp import family as qf
     from staticlm.export.htp.calibration import StepFeeds, record_traces
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     loaded = load_model(tiny_hf_dir)
     options = ExportOptions(contexts=(32, 512), prefill_len=TINY_PREFILL, verify_lens=(), htp_style=True,

@@ -233,7 +233,7 @@ def test_concat_copies_quadratically_and_shift_linearly(rng):
     for strategy in (Strategy.CONCAT, Strategy.SHIFT):
         spec = _spec(max_past=n + 1, max_ar=1)
         cache, ref = make_kv_cache(spec, strategy), NaiveKV(1)
-        for i in range(n):
+        for _ in range(n):
             _step(cache, ref, past_len=n + 1, ar=1, commits=[1], rng=rng)
         results[strategy] = cache.stats
     assert results[Strategy.CONCAT].copied_rows == n * (n - 1) // 2  # 0 + 1 + ... + (n-1)

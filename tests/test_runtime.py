@@ -5,16 +5,22 @@ import numpy as np
 import pytest
 from reference import hf_greedy
 
-from staticlm.apps.common import open_chat, open_tokenizer
 from staticlm.kv_manager import Strategy
 from staticlm.runtime.device import Device, DeviceOptions
 from staticlm.runtime.engine import Engine, EngineOptions
 from staticlm.runtime.generator import GenerationParams, Generator
+from staticlm.runtime.model import Model, open_tokenizer
+from staticlm.runtime.options import RunOptions
 
 CPU = DeviceOptions(device=Device.CPU, num_threads=2)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 WINDOW_STRATEGIES = [s for s in Strategy if s is not Strategy.IN_PLACE]  # in_place needs GQA graphs (test_cpu_target)
 STRATEGY_CASES = [(s, 2.0) for s in WINDOW_STRATEGIES] + [(Strategy.POINTER, 1.5), (Strategy.SHIFT, 1.5)]
+
+
+def open_chat(engine):
+    """A chat over an engine the test built itself, through the one way a model is opened."""
+    return Model(engine, options=RunOptions(model_dir=engine.model_dir)).chat()
 
 
 def engine_for(family, *, strategy=Strategy.POINTER, reserve=2.0, device=CPU) -> Engine:

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from staticlm.export.sources.load import ModelSourceError, load_model
+from staticlm.export.sources import ModelSourceError, load_model
 from staticlm.runtime.family.config import UnsupportedModel
 
 TEXTS = [
@@ -115,7 +115,7 @@ def test_gguf_tokenizer_specials_and_template(smollm2_loaded, gguf_tokenizers):
 def test_default_model_loads_without_torch(smollm2_gguf):
     import subprocess
 
-    code = ("import sys; from staticlm.export.sources.load import load_model; "
+    code = ("import sys; from staticlm.export.sources import load_model; "
             "m = load_model('smollm2-135m'); print(m.config.num_layers); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imports torch'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -6,13 +6,14 @@ import pytest
 import torch
 from reference import hf_greedy
 
-from staticlm.apps.common import open_tokenizer
 from staticlm.runtime.device import Device, DeviceOptions
 from staticlm.runtime.drafters import DraftModelDrafter, PromptLookupDrafter
 from staticlm.runtime.engine import Engine, EngineOptions
 from staticlm.runtime.generator import GenerationParams, Generator
+from staticlm.runtime.model import open_tokenizer
 from staticlm.runtime.sampling import SamplingParams
-from staticlm.runtime.speculative import DraftLength, Speculator
+from staticlm.runtime.speculation_policy import DraftLength, SpeculationPolicy
+from staticlm.runtime.speculative import Speculator
 
 CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
 REWRITE = ("Copy this sentence exactly, then copy it again: the quick brown fox jumps over the lazy dog "
@@ -24,7 +25,7 @@ def tiny_draft_family(tiny_hf_dir, tmp_path_factory):
     """The tiny model's first layer: same tokenizer, a different (worse) distribution."""
     from staticlm.export.draft import truncate_layers
     from staticlm.export.family import ExportOptions, export_family
-    from staticlm.export.sources.load import load_model
+    from staticlm.export.sources import load_model
 
     out = tmp_path_factory.mktemp("tiny_draft") / "family"
     export_family(truncate_layers(load_model(tiny_hf_dir), 1), out,
@@ -58,7 +59,7 @@ def test_draft_length_follows_bass_algorithm_1():
 
 
 def test_draft_length_maps_onto_the_exported_verify_graphs():
-    from staticlm.runtime.speculative import fit_to_verify_graphs
+    from staticlm.runtime.speculation_policy import fit_to_verify_graphs
 
     lens = (4, 8, 16)
     assert [fit_to_verify_graphs(n, lens) for n in (1, 2, 3, 6, 7, 9, 14, 15, 32)] == [1, 2, 3, 3, 7, 7, 7, 15, 15]
@@ -69,7 +70,7 @@ def test_draft_length_maps_onto_the_exported_verify_graphs():
 
 
 def test_acceptance_profile_counts_runs_and_the_length_follows_the_measured_costs():
-    from staticlm.runtime.speculative import AcceptanceProfile, cost_aware_length
+    from staticlm.runtime.speculation_policy import AcceptanceProfile, cost_aware_length
 
     runs = AcceptanceProfile(decay=1.0)
     for _ in range(20):  # drafts right for a run of 7 or wrong from the first token, half the time each
@@ -124,7 +125,7 @@ def _target_joint(model, prompt: list[int], *, top_k: int, depth: int,
             top = np.argsort(-logits)[:top_k]
             probs = np.exp(logits[top] - logits[top].max())
             probs /= probs.sum()
-            for token, p in zip(top.tolist(), probs):
+            for token, p in zip(top.tolist(), probs, strict=True):
                 nxt[prefix + (token,)] = mass * p
         joint = nxt
     return joint
@@ -203,7 +204,7 @@ def test_tiny_batched_speculation_with_ragged_acceptance_equals_transformers(tin
     logits = np.zeros((4, batch.config.vocab_size), np.float32)
     for step in range(max(len(p) for p in prefixes) - len(prompt)):
         active = np.array([len(prompt) + step < len(p) for p in prefixes])
-        fed = np.array([p[len(prompt) + step] if a else 0 for p, a in zip(prefixes, active)])
+        fed = np.array([p[len(prompt) + step] if a else 0 for p, a in zip(prefixes, active, strict=True)])
         out = batch.decode_batch(fed, active=active)
         logits[active] = out[active]
     num_new = 24
@@ -219,8 +220,8 @@ def test_tiny_batched_speculation_with_ragged_acceptance_equals_transformers(tin
         if not active.any():
             break
         last = np.array([g[-1] for g in generated])
-        fresh = speculator.step(batch, last, active=active, contexts=[p + g for p, g in zip(prefixes, generated)],
-                                params=greedy, rng=rng)
+        contexts = [p + g for p, g in zip(prefixes, generated, strict=True)]
+        fresh = speculator.step(batch, last, active=active, contexts=contexts, params=greedy, rng=rng)
         if fresh is None:  # nobody had a draft: one plain batched decode step
             out = batch.decode_batch(last, active=active)
             fresh = [[int(np.argmax(out[b]))] if active[b] else [] for b in range(4)]
@@ -230,7 +231,7 @@ def test_tiny_batched_speculation_with_ragged_acceptance_equals_transformers(tin
     for b in range(4):
         assert generated[b][:num_new] == hf_greedy(tiny_hf_model, prefixes[b], num_new), f"sequence {b}"
     # Exactly the accepted rows were committed, and they hold the right K/V: the next step's logits agree.
-    assert batch.kv.lengths.tolist() == [len(p) + len(g) - 1 for p, g in zip(prefixes, generated)]
+    assert batch.kv.lengths.tolist() == [len(p) + len(g) - 1 for p, g in zip(prefixes, generated, strict=True)]
     out = batch.decode_batch(np.array([g[-1] for g in generated]), active=np.ones(4, bool))
     for b in range(4):
         with torch.no_grad():
@@ -241,6 +242,119 @@ def test_tiny_batched_speculation_with_ragged_acceptance_equals_transformers(tin
     # one copy of the prompt per sequence at the start; rejected and padding rows were never copied
     bytes_per_row = batch.kv.spec.num_tensors * batch.kv.spec.head_dim * 4
     assert batch.kv.stats.copied_bytes == 4 * len(prompt) * bytes_per_row
+
+
+class _ConstantDrafter:
+    """Drafts `token` repeated, up to num_tokens times (never id 0 unless asked)."""
+
+    def __init__(self, token: int, *, max_tokens: int = 32) -> None:
+        self.token, self.max_tokens = token, max_tokens
+
+    def propose(self, context, num_tokens, *, params, rng):
+        return [self.token] * min(num_tokens, self.max_tokens), None
+
+
+class _VerifyOnlyEngine:
+    """What a speculator asks of an Engine, without a model: every row predicts token 5; `cost` is AR=4's cost
+    in decode steps (None: not timed yet), and the rows of a longer graph cost in proportion, as on a CPU."""
+
+    def __init__(self, *, batch: int, cost: float | None) -> None:
+        self.batch, self.cost, self.verify_lens = batch, cost, (4, 8)
+        self.num_verify_steps = 0
+
+    def verify_len(self, num_tokens):
+        return next((ar for ar in self.verify_lens if ar >= num_tokens), None)
+
+    def verify_cost_ratio(self, ar):
+        return None if self.cost is None else self.cost * ar / 4
+
+    def verify(self, token_ids, *, num_real=None):
+        self.num_verify_steps += 1
+        logits = np.zeros((*np.shape(token_ids), 16), np.float32)
+        logits[..., 5] = 1.0
+        return logits
+
+    def commit(self, num_tokens):
+        pass
+
+
+def test_batched_speculation_decides_with_the_per_sequence_profile():
+    """One sequence's drafts always right, three always wrong: the batch's mean yield, not its best, decides."""
+    from staticlm.runtime.batch_speculative import BatchSpeculator
+
+    drafters = [_ConstantDrafter(5), _ConstantDrafter(9), _ConstantDrafter(9), _ConstantDrafter(9)]
+    speculator = BatchSpeculator(drafters, length=DraftLength(initial=3), probe_every=4)
+    assert isinstance(speculator.policy, SpeculationPolicy)
+    assert isinstance(Speculator(PromptLookupDrafter()).policy, SpeculationPolicy)  # one policy for both paths
+    engine = _VerifyOnlyEngine(batch=4, cost=None)
+    greedy, rng = SamplingParams(temperature=0.0), np.random.default_rng(0)
+
+    def step():
+        return speculator.step(engine, np.array([1, 2, 3, 4]), active=np.ones(4, bool),
+                               contexts=[[1], [2], [3], [4]], params=greedy, rng=rng)
+
+    assert step() == [[5, 5, 5, 5], [5], [5], [5]]  # not timed yet: verify
+    profile = speculator.policy.profile
+    # every sequence's outcome over the step's 3 draft rows: position 0 offered 4 times, accepted once
+    assert profile.offered == [4, 1, 1] and profile.accepted == [1, 1, 1]
+    assert speculator.policy.length.current == 5  # BASS on the batch's best: sequence 0 took its whole draft
+    assert abs(profile.expected_tokens(3) - (1 + 2 / 6 + 2 / 6 * 2 / 3 + 2 / 6 * (2 / 3) ** 2)) < 1e-12
+    # AR=4 now costs 2 decode steps; a verify step yields ~1.7 tokens a sequence (its best would yield 4): plain
+    # decoding, with a probe every 4th step.
+    engine.cost = 2.0
+    assert [step() is None for _ in range(8)] == [True, True, True, False] * 2
+    assert engine.num_verify_steps == 3 and speculator.stats.num_steps == 3
+    assert speculator.policy.num_skipped == 8
+    # Had the drafts all been right, the same cost would pay: the policy follows the sequences' outcomes.
+    right = BatchSpeculator([_ConstantDrafter(5)] * 4, length=DraftLength(initial=3), probe_every=4)
+    engine.cost = None
+    right.step(engine, np.array([1, 2, 3, 4]), active=np.ones(4, bool), contexts=[[1], [2], [3], [4]],
+               params=greedy, rng=rng)
+    engine.cost = 2.0
+    for _ in range(8):
+        right.step(engine, np.array([1, 2, 3, 4]), active=np.ones(4, bool), contexts=[[1], [2], [3], [4]],
+                   params=greedy, rng=rng)
+    assert right.policy.num_skipped == 0 and right.stats.num_steps == 9
+
+
+def test_tiny_ragged_verify_rows_are_padded_with_the_last_real_token(tiny_chat_family):
+    """Rows past a sequence's own draft repeat its last real token: never id 0 (see runtime/engine.py `_run`)."""
+    from staticlm.runtime.batch_speculative import BatchSpeculator
+
+    prompt = open_tokenizer(tiny_chat_family).encode("abcabc", add_special_tokens=False)
+    single = Engine(tiny_chat_family, options=CPU)
+    single.prefill(prompt)
+    batch = Engine(tiny_chat_family, options=CPU, batch=4, weights_from=single)
+    batch.load_prefix(single)
+    fed: list[tuple[np.ndarray, np.ndarray]] = []
+    verify = batch.verify
+
+    def spy(token_ids, *, num_real=None):
+        fed.append((np.array(token_ids), np.array(num_real)))
+        return verify(token_ids, num_real=num_real)
+
+    batch.verify = spy
+    # drafts of 0, 1, 2 and 3 tokens (id 7: never 0), so every step's batch is ragged
+    drafters = [_ConstantDrafter(7, max_tokens=n) for n in range(4)]
+    speculator = BatchSpeculator(drafters, length=DraftLength(initial=3, fixed=True), probe_every=1)
+    greedy, rng = SamplingParams(temperature=0.0), np.random.default_rng(0)
+    generated = [[11], [12], [13], [14]]
+    for _ in range(4):
+        fresh = speculator.step(batch, np.array([g[-1] for g in generated]), active=np.ones(4, bool),
+                                contexts=[prompt + g for g in generated], params=greedy, rng=rng)
+        for b in range(4):
+            generated[b].extend(fresh[b])
+    assert len(fed) == 4
+    num_checked = 0
+    for ids, num_real in fed:
+        assert num_real.tolist() == [1, 2, 3, 4] and ids.shape == (4, 4)
+        for b in range(4):
+            real = ids[b, :num_real[b]]
+            assert (ids[b, num_real[b]:] == real[-1]).all(), f"sequence {b}: {ids[b].tolist()}"
+        if not any((ids[b, :num_real[b]] == 0).any() for b in range(4)):
+            assert not (ids == 0).any(), ids.tolist()
+            num_checked += 1
+    assert num_checked > 0  # some step had no real id 0, so id 0 anywhere would have been padding
 
 
 def test_tiny_num_responses_with_lookup_cli_equals_transformers(tiny_chat_family, tiny_hf_model):

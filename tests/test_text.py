@@ -143,6 +143,125 @@ def test_stream_decoder_decodes_a_bounded_window():
     assert max(sizes) <= 8  # never the whole sequence: per-token cost does not grow with length
 
 
+def test_stream_decoder_flushes_an_unfinished_character():
+    for raw in (_raw_byte_level(), _raw_sentencepiece_style()):
+        ids = raw.encode("a😀", add_special_tokens=False).ids[:-1]  # the emoji's last byte never comes
+        chunks = _stream(_wrap(raw), ids)
+        assert chunks[:-1] == ["a"] + [""] * (len(ids) - 1)
+        assert chunks[-1] and set(chunks[-1]) == {"\ufffd"}  # the flush shows what there is, as a full decode does
+        assert "".join(chunks) == raw.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", sorted(RAW_TOKENIZERS))
+@settings(max_examples=150, deadline=None)
+@given(picks=st.lists(st.integers(0, 2**16), max_size=30))
+def test_stream_decoder_takes_any_ids(kind, picks):
+    # A model may emit any ids, byte tokens that never form UTF-8 included: the text goes on, nothing raises.
+    raw = RAW_TOKENIZERS[kind]()
+    ids = [p % raw.get_vocab_size() for p in picks]
+    chunks = _stream(_wrap(raw), ids)
+    full = raw.decode(ids, skip_special_tokens=True)
+    if "\ufffd" not in full:
+        assert "".join(chunks) == full
+
+
+def test_stream_decoder_goes_on_when_shown_text_turns_invalid():
+    raw = _raw_sentencepiece_style()
+    ids = [raw.token_to_id(t) for t in ("<0x3D>", "<0x9D>", "j")]  # "=", then a byte no character starts with
+    assert raw.decode(ids) == "\ufffd\ufffdj"  # byte fallback takes the "=" back into the invalid run ...
+    assert _stream(_wrap(raw), ids) == ["=", "", "\ufffdj", ""]  # ... a stream cannot: it already showed it
+
+
+# ---------------------------------------------------------------------------------------------- text stream
+def _text_stream(**kwargs):
+    from staticlm.runtime.text_stream import GenerationParams, TextStream
+
+    tokenizer = _wrap(_raw_byte_level(), eos_token_ids=(EOS,))
+    return TextStream(tokenizer, GenerationParams(**{"max_new_tokens": 50, **kwargs}))
+
+
+def _bytes_of(text: str) -> list[int]:
+    return _raw_byte_level().encode(text, add_special_tokens=False).ids
+
+
+def _push_all(stream, ids) -> list[str]:
+    out = []
+    for i, token in enumerate(ids):
+        out.append(stream.push(token, now=float(i)))
+        if stream.reason is not None:
+            break
+    return out
+
+
+def test_text_stream_ends_at_eos_and_flushes_what_was_held():
+    from staticlm.runtime.text_stream import FinishReason
+
+    stream = _text_stream(stop_strings=("é!",))
+    ids = _bytes_of("hi é") + [EOS] + _bytes_of("never")
+    shown = _push_all(stream, ids)
+    # "é" is held (it might begin the stop string "é!") until EOS makes it final; EOS itself is never shown
+    assert "".join(shown[:-1]) == "hi " and shown[-1] == "é"
+    assert stream.reason is FinishReason.EOS and stream.ids == ids[:len(ids) - 5] and stream.text == "hi é"
+    assert (stream.first_s, stream.last_s) == (0.0, float(len(stream.ids) - 1))
+    with pytest.raises(RuntimeError):
+        stream.push(_bytes_of("x")[0], now=9.0)
+    ignoring = _text_stream(ignore_eos=True)
+    _push_all(ignoring, ids)
+    assert ignoring.reason is None and ignoring.text == "hi énever" and len(ignoring.ids) == len(ids)
+
+
+def test_text_stream_cuts_at_a_stop_string_and_stops_at_the_length_limit():
+    from staticlm.runtime.text_stream import FinishReason
+
+    stopped = _text_stream(stop_strings=("</s>",))
+    _push_all(stopped, _bytes_of("one</s>two"))
+    assert stopped.reason is FinishReason.STOP_STRING and stopped.text == "one" and len(stopped.ids) == 7
+    limited = _text_stream(max_new_tokens=4, stop_strings=("xyz",))
+    shown = _push_all(limited, _bytes_of("abcxy-more"))
+    assert limited.reason is FinishReason.LENGTH and shown == ["a", "b", "c", "x"]  # the held "x" is final now
+    split = _text_stream(max_new_tokens=2)
+    assert _push_all(split, _bytes_of("é")[:1] + _bytes_of("z")) == ["", "\ufffdz"]
+
+
+def test_text_stream_cancel_shows_the_held_back_text():
+    from staticlm.runtime.text_stream import FinishReason
+
+    stream = _text_stream(stop_strings=("ab",))
+    assert _push_all(stream, _bytes_of("xa")) == ["x", ""]
+    assert stream.cancel() == "a" and stream.reason is FinishReason.CANCELLED and stream.text == "xa"
+    assert stream.cancel() == ""
+
+
+def test_tiny_single_and_batched_generation_show_the_same_text(tiny_chat_family):
+    from staticlm.runtime.batch import BatchGenerator
+    from staticlm.runtime.device import Device, DeviceOptions
+    from staticlm.runtime.engine import Engine, EngineOptions
+    from staticlm.runtime.generator import GenerationParams, Generator
+    from staticlm.runtime.model import open_tokenizer
+    from staticlm.runtime.text_stream import FinishReason
+
+    cpu = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
+    tokenizer = open_tokenizer(tiny_chat_family)
+    prompt = tokenizer.encode("abcabc abc", add_special_tokens=False)
+    single = Generator(Engine(tiny_chat_family, options=cpu), tokenizer)
+    batch = BatchGenerator(Engine(tiny_chat_family, options=cpu), tokenizer, num_responses=4)
+    full = single.generate(prompt, GenerationParams(max_new_tokens=24, ignore_eos=True))
+    stop = full.text[len(full.text) // 2:][:2]  # a stop string the answer reaches half way
+    assert len(stop) == 2
+    for params, reason in ((GenerationParams(max_new_tokens=24, ignore_eos=True), FinishReason.LENGTH),
+                           (GenerationParams(max_new_tokens=24, ignore_eos=True, stop_strings=(stop,)),
+                            FinishReason.STOP_STRING)):
+        chunks = list(single.stream(prompt, params))
+        want = single.last_result
+        assert want.finish_reason is reason and "".join(chunks) == want.text
+        shown: dict[int, list[str]] = {seq: [] for seq in range(4)}
+        responses = batch.generate(prompt, params, on_text=lambda seq, text, shown=shown: shown[seq].append(text))
+        for seq, response in enumerate(responses):
+            assert (response.text, response.token_ids, response.finish_reason) == (
+                want.text, want.token_ids, want.finish_reason)
+            assert "".join(shown[seq]) == want.text
+
+
 # ---------------------------------------------------------------------------------------------- stop strings
 def _run_stops(stops, chunks):
     matcher = StopStringMatcher(stops)
@@ -160,7 +279,7 @@ def _run_stops(stops, chunks):
 def _chunked(text, cuts):
     cuts = sorted({c % (len(text) + 1) for c in cuts})
     bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 @settings(max_examples=400, deadline=None)
@@ -378,9 +497,10 @@ CONVERSATION = [
     {"role": "assistant", "content": "Hello!\n  Indented."},
     {"role": "user", "content": "Again?"},
 ]
-RICH = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'tool' %}{{ raise_exception('no tools') }}"
-        "{% endif %}\n  {% generation %}{{ message | tojson }}{% endgeneration %}\n{% if loop.index == 3 %}{% continue %}"
-        "{% endif %}[{{ loop.index }}]\n{% endfor %}{{ eos_token }}{% if add_generation_prompt %}>>{% endif %}")
+RICH = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'tool' %}"
+        "{{ raise_exception('no tools') }}{% endif %}\n  {% generation %}{{ message | tojson }}{% endgeneration %}\n"
+        "{% if loop.index == 3 %}{% continue %}{% endif %}[{{ loop.index }}]\n{% endfor %}{{ eos_token }}"
+        "{% if add_generation_prompt %}>>{% endif %}")
 
 
 @pytest.mark.parametrize("template", [CHATML, DEFAULT_CHATML, RICH], ids=["chatml", "default", "rich"])

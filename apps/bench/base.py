@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from staticlm.errors import UserError
+from staticlm.runtime.device import Device
+from staticlm.runtime.model import Model
+from staticlm.runtime.options import RunOptions
+
 DEFAULT_CONTEXTS = (128, 512, 1024, 2048)
 DEFAULT_PROMPT_LEN = 1000
 
@@ -20,7 +25,7 @@ class Peer(str, Enum):
     TRANSFORMERS = "transformers"  # transformers + torch (fp32)
 
 
-class BenchError(ValueError):
+class BenchError(UserError, ValueError):
     """Bad bench input: printed as one line by the CLI (a ValueError, so cli.py's handler catches it)."""
 
 
@@ -118,16 +123,10 @@ class BenchContext:
     log: Callable[[str], None] = print
     started: float = field(default_factory=time.perf_counter)
 
-    def engine(self, *, model_dir: Path | None = None, **option_overrides):
-        """A fresh engine on the family (or model_dir), CPU, the bench's thread count, warmed up."""
-        from staticlm.runtime.device import Device, DeviceOptions
-        from staticlm.runtime.engine import Engine, EngineOptions
-
-        options = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=self.options.threads),
-                                **option_overrides)
-        engine = Engine(model_dir or self.model_dir, options=options)
-        engine.warm_up()
-        return engine
+    def model(self, *, model_dir: Path | None = None, **run_options) -> Model:
+        """The family (or model_dir) freshly opened on the CPU with the bench's thread count, warmed up."""
+        return Model.open(model_dir or self.model_dir,
+                          RunOptions(device=Device.CPU, num_threads=self.options.threads, **run_options))
 
 
 # A benchmark is a small function of the context returning rows; command.BENCHMARKS lists them in order.

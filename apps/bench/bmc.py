@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from staticlm.kv_manager.sizing import choose_bmc_r
+from staticlm.runtime.family.manifest import load_manifest
 from staticlm.runtime.ladder import HostRates, save_rates
 
 from .base import BenchContext, Row
@@ -57,7 +58,8 @@ def attention_session(shape: AttentionShape, *, threads: int):
         helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, h, "P", d]),
         helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, h, "P", d])],
         [helper.make_tensor_value_info("o", TensorProto.FLOAT, [1, h, g, d])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -87,7 +89,7 @@ def measure_rates(session, shape: AttentionShape, *, sizes: tuple[int, ...], ite
         t0 = time.perf_counter()
         session.run(None, feeds)  # the first run at this window length: C0 is its excess
         first_s.append(time.perf_counter() - t0)
-        step_s.append(_best_time(lambda: [session.run(None, feeds) for _ in range(iters)], 3) / iters)
+        step_s.append(_best_time(lambda f=feeds: [session.run(None, f) for _ in range(iters)], 3) / iters)
     att_per_row = max(_slope(lengths, step_s), 1e-12)
     c0 = max(0.0, float(np.median(np.subtract(first_s, step_s))))
     copy_s = []
@@ -129,8 +131,6 @@ def model_choice_with_c0(rates: HostRates, shape: AttentionShape, n: int) -> int
 
 
 def bench_bmc(ctx: BenchContext) -> list[Row]:
-    from staticlm.runtime.family.manifest import load_manifest
-
     cfg = load_manifest(ctx.model_dir).model
     shape = AttentionShape(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
     quick = ctx.options.quick
@@ -162,7 +162,8 @@ def bench_bmc(ctx: BenchContext) -> list[Row]:
         rows.append(Row(f"bmc.N{n}", f"BMC attention block, N={n}: model's T vs best", "ms", latency[t_model] * 1e3,
                         higher_is_better=False, note=(
                             f"model T={t_model} (r={r_model}; with C0: T={t_c0}); measured best T={best_t} "
-                            f"{latency[best_t] * 1e3:.1f} ms; T=1 {latency[1] * 1e3:.1f} ms, T=N {latency[n] * 1e3:.1f} ms")))
+                            f"{latency[best_t] * 1e3:.1f} ms; T=1 {latency[1] * 1e3:.1f} ms, "
+                            f"T=N {latency[n] * 1e3:.1f} ms")))
     ctx.figures["bmc_attention"] = figure
     ctx.extra["host_rates"] = {**rates.to_dict(), "saved_to": str(path), "shape": shape.__dict__, "choices": choices}
     return rows

@@ -5,13 +5,29 @@ the report. Outputs: bench.json, bench.md, PNG plots in --out, and the table in 
 """
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import os
 import platform
 import time
 from pathlib import Path
 
-from .base import DEFAULT_CONTEXTS, DEFAULT_PROMPT_LEN, BenchContext, BenchError, Benchmark, BenchOptions, Row
+from staticlm.apps.commands.eval_metrics import held_out_text
+from staticlm.apps.models import ensure_default_model
+from staticlm.runtime.family.manifest import GraphKind, load_manifest
+from staticlm.runtime.model import open_tokenizer
+
+from .base import (
+    DEFAULT_CONTEXTS,
+    DEFAULT_PROMPT_LEN,
+    BenchContext,
+    BenchError,
+    Benchmark,
+    BenchOptions,
+    Row,
+    parse_contexts,
+    parse_peers,
+)
 from .bmc import bench_bmc
 from .report import print_table, write_outputs
 from .spec import bench_responses, bench_speculative
@@ -37,8 +53,6 @@ def _load() -> str:
 
 
 def _max_context(model_dir: Path) -> int:
-    from staticlm.runtime.family.manifest import GraphKind, load_manifest
-
     decode = load_manifest(model_dir).graphs_of(GraphKind.DECODE)
     if not decode:
         raise BenchError(f"{model_dir} has no decode graph")
@@ -47,8 +61,6 @@ def _max_context(model_dir: Path) -> int:
 
 def resolve_model(options: BenchOptions) -> Path:
     if options.model_dir is None:
-        from staticlm.apps.common import ensure_default_model
-
         return ensure_default_model()
     if not (options.model_dir / "manifest.json").is_file():
         raise BenchError(f"no exported model at {options.model_dir}: make one with staticlm export --out DIR")
@@ -78,9 +90,6 @@ def resolve_sizes(options: BenchOptions, max_context: int) -> tuple[tuple[int, .
 
 def text_ids(model_dir: Path, num_tokens: int) -> list[int]:
     """The shipped English text as tokens, repeated to num_tokens: a real text, identical for every system."""
-    from staticlm.apps.commands.eval_metrics import held_out_text
-    from staticlm.apps.common import open_tokenizer
-
     ids = open_tokenizer(model_dir).encode(held_out_text(), add_special_tokens=False)
     return (ids * (num_tokens // len(ids) + 1))[:num_tokens]
 
@@ -113,7 +122,7 @@ def run_bench(options: BenchOptions, *, benchmarks: tuple[tuple[str, Benchmark],
             rows += bench(ctx)
         except (KeyboardInterrupt, BenchError):
             raise
-        except Exception as e:  # one broken row set must not lose the others' minutes of measurement
+        except Exception as e:  # noqa: BLE001 -- one broken row set must not lose the others' minutes of measurement
             ctx.extra.setdefault("skipped_rows", {})[name] = f"failed: {type(e).__name__}: {e}"
             ctx.log(f"  {name} failed: {type(e).__name__}: {e}")
         timings[name] = round(time.perf_counter() - t0, 2)
@@ -137,3 +146,10 @@ def _host() -> str:
 
     return (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}, onnxruntime {onnxruntime.__version__}")
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    run_bench(BenchOptions(model_dir=args.model, threads=args.threads, contexts=parse_contexts(args.contexts),
+                           prompt_len=args.prompt_len, peers=parse_peers(args.peers), out_dir=args.out,
+                           quick=args.quick, long_gen=args.long_gen, windows_model=args.windows_model))
+    return 0

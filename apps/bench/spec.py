@@ -1,4 +1,4 @@
-"""Issue 8's figures: speculative decoding (none, prompt lookup with BASS's dynamic or a fixed draft length)
+"""Speculative decoding (none, prompt lookup with BASS's dynamic or a fixed draft length)
 on input-grounded rewrites and on open chat; and n = 4 responses decoded together vs one after another.
 """
 from __future__ import annotations
@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.engine import StepCounters
-from staticlm.runtime.generator import GenerationParams, Generator
+from staticlm.runtime.family.manifest import GraphKind, load_manifest
+from staticlm.runtime.generator import GenerationParams
+from staticlm.runtime.model import Model
 from staticlm.runtime.sampling import SamplingParams
-from staticlm.runtime.speculate_options import SpeculateMode, SpeculateOptions, build_speculator
+from staticlm.runtime.tokenizer import Tokenizer
 
 from .base import BenchContext, Row
 
@@ -25,44 +27,43 @@ PASSAGE_SPACING = 500  # tokens: four passages inside the shipped text (~2,300 t
 @dataclass(frozen=True)
 class SpecConfig:
     name: str
-    options: SpeculateOptions
+    speculate: str  # the run options --speculate and --draft-len
+    draft_len: int | None = None
 
 
-CONFIGS = (SpecConfig("none", SpeculateOptions()),
-           SpecConfig("lookup", SpeculateOptions(SpeculateMode.LOOKUP)),
-           SpecConfig(f"lookup, fixed {FIXED_DRAFT}", SpeculateOptions(SpeculateMode.LOOKUP, fixed_length=FIXED_DRAFT)))
+CONFIGS = (SpecConfig("none", "none"), SpecConfig("lookup", "lookup"),
+           SpecConfig(f"lookup, fixed {FIXED_DRAFT}", "lookup", FIXED_DRAFT))
 
 
-def _chat_ids(engine, text: str) -> tuple[list[int], object]:
-    from staticlm.apps.common import open_chat
-
-    session = open_chat(engine)
-    return session.prompt_ids([Message(role="user", content=text)]), session.generator.tokenizer
+def _chat_ids(model: Model, text: str) -> tuple[list[int], Tokenizer]:
+    return model.format.prompt_ids([Message(role="user", content=text)]), model.tokenizer
 
 
 def _rewrite_prompt(passage: str) -> str:
     return f"Rewrite the following text exactly as it is.\n\n{passage}"
 
 
-def _rewrite_tasks(ctx: BenchContext, engine, tokenizer, max_new: int) -> list[list[int]]:
+def _rewrite_tasks(ctx: BenchContext, model: Model, max_new: int) -> list[list[int]]:
     """REWRITE_PASSAGES passages spread over the shipped text, budget tokens each, as chat prompts. How well a
-    small model copies swings from passage to passage (SmolLM2, 128 greedy tokens: 1.3x-2.5x with lookup),
-    so one passage would measure the passage; the figure is over all of them."""
+    small model copies swings from passage to passage, so one passage would measure the passage; the figure is
+    over all of them."""
     text = ctx.text_ids
     budget = 200  # passage tokens; the answer repeats them, so halve until prompt and answer fit
     while True:
         offsets = [i * PASSAGE_SPACING for i in range(REWRITE_PASSAGES) if i * PASSAGE_SPACING + budget <= len(text)]
-        tasks = [_chat_ids(engine, _rewrite_prompt(tokenizer.decode(text[o:o + budget])))[0] for o in offsets or [0]]
+        tasks = [_chat_ids(model, _rewrite_prompt(model.tokenizer.decode(text[o:o + budget])))[0]
+                 for o in offsets or [0]]
         if max(map(len, tasks)) + max_new <= ctx.max_context or budget <= 8:
             return tasks
         budget //= 2
 
 
-def _run(ctx: BenchContext, engine, tokenizer, ids: list[int], config: SpecConfig, max_new: int) -> dict:
+def _run(model: Model, ids: list[int], config: SpecConfig, max_new: int) -> dict:
+    engine = model.engine
     engine.reset()
     engine.counters = StepCounters()  # per configuration: speculation's cost estimate starts afresh too
-    gen = Generator(engine, tokenizer)
-    gen.speculator = build_speculator(config.options, engine=engine, tokenizer=tokenizer)
+    gen = Model(engine, options=model.options.replace(speculate=config.speculate,
+                                                      draft_len=config.draft_len)).generator
     result = gen.generate(ids, GenerationParams(max_new_tokens=max_new))
     c, stats = engine.counters, gen.speculator.stats if gen.speculator else None
     decode_tokens = max(len(result.token_ids) - 1, 0)  # the first token comes from the prefill
@@ -86,24 +87,24 @@ def _pooled(runs: list[dict]) -> dict:
 
 
 def bench_speculative(ctx: BenchContext) -> list[Row]:
-    engine = ctx.engine()
-    if not engine.verify_lens:
+    model = ctx.model()
+    if not model.engine.verify_lens:
         ctx.extra.setdefault("skipped_rows", {})["speculative"] = "the family has no AR=N (verify) graphs"
         return []
     max_new = 12 if ctx.options.quick else 128
-    chat_ids, tokenizer = _chat_ids(engine, CHAT_PROMPT)
-    rewrites = _rewrite_tasks(ctx, engine, tokenizer, max_new)
+    chat_ids, _ = _chat_ids(model, CHAT_PROMPT)
+    rewrites = _rewrite_tasks(ctx, model, max_new)
     if max(*map(len, rewrites), len(chat_ids)) + max_new > ctx.max_context:
         ctx.extra.setdefault("skipped_rows", {})["speculative"] = "the prompts do not fit the model's context"
         return []
     rows, raw = [], {}
     for config in CONFIGS:  # untimed: every graph and rung these runs touch is loaded and run once first
-        _run(ctx, engine, tokenizer, rewrites[0], config, 4)
+        _run(model, rewrites[0], config, 4)
     for task, prompts in (("rewrite", rewrites), ("chat", [chat_ids])):
         base = None
         for config in CONFIGS:
             ctx.log(f"  {task}, speculate {config.name} ...")
-            r = _pooled([_run(ctx, engine, tokenizer, ids, config, max_new) for ids in prompts])
+            r = _pooled([_run(model, ids, config, max_new) for ids in prompts])
             raw[f"{task}/{config.name}"] = r
             base = base or r
             per_prompt = ", ".join(f"{a / b:.2f}x" for a, b in zip(r["per_prompt_tok_s"], base["per_prompt_tok_s"]))
@@ -111,7 +112,7 @@ def bench_speculative(ctx: BenchContext) -> list[Row]:
                                                                       else "")
                     + f"; acceptance {r['acceptance']:.2f}, {r['accepted_per_step']:.2f} accepted/step, "
                     f"verify rows used {100 * r['verify_row_use']:.0f} %"
-                    if config.options.mode is not SpeculateMode.NONE else f"{r['tokens']} tokens, {len(prompts)} prompt(s)")
+                    if config.speculate != "none" else f"{r['tokens']} tokens, {len(prompts)} prompt(s)")
             rows.append(Row(f"spec.{task}.{config.name.replace(', ', '_').replace(' ', '')}",
                             f"decode tok/s, {task}, speculate {config.name}", "tok/s", r["tok_s"], note=note))
     ctx.extra["speculative"] = raw
@@ -119,14 +120,11 @@ def bench_speculative(ctx: BenchContext) -> list[Row]:
 
 
 def bench_responses(ctx: BenchContext) -> list[Row]:
-    from staticlm.runtime.batch import BatchGenerator
-    from staticlm.runtime.family.manifest import GraphKind, load_manifest
-
     if not load_manifest(ctx.model_dir).graphs_of(GraphKind.DECODE, batch=NUM_RESPONSES):
         ctx.extra.setdefault("skipped_rows", {})["responses"] = f"the family has no batch-{NUM_RESPONSES} graphs"
         return []
-    engine = ctx.engine()
-    ids, tokenizer = _chat_ids(engine, BATCH_PROMPT)
+    model = ctx.model()
+    ids, _ = _chat_ids(model, BATCH_PROMPT)
     max_new = 8 if ctx.options.quick else 64
     if len(ids) + max_new > ctx.max_context:
         ctx.extra.setdefault("skipped_rows", {})["responses"] = "the prompt does not fit the model's context"
@@ -134,7 +132,7 @@ def bench_responses(ctx: BenchContext) -> list[Row]:
     # Equal work for both: sampled (so the answers differ), never stopping early.
     params = GenerationParams(max_new_tokens=max_new, ignore_eos=True,
                               sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
-    batch = BatchGenerator(engine, tokenizer, num_responses=NUM_RESPONSES)
+    batch = model.batch(NUM_RESPONSES)
     batch.batch.warm_up()
     ctx.log(f"  {NUM_RESPONSES} responses together ...")
     t0 = time.perf_counter()
@@ -142,10 +140,10 @@ def bench_responses(ctx: BenchContext) -> list[Row]:
     together = time.perf_counter() - t0
     total = sum(len(r.token_ids) for r in responses)
     ctx.log(f"  {NUM_RESPONSES} responses one after another ...")
-    gen = Generator(engine, tokenizer)
+    gen = model.generator
     t0 = time.perf_counter()
     seq_tokens, first_seq = 0, 0.0
-    for i in range(NUM_RESPONSES):
+    for _ in range(NUM_RESPONSES):
         gen.reset()
         seq_tokens += len(gen.generate(ids, params).token_ids)
         first_seq = first_seq or time.perf_counter() - t0

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from staticlm.export.sources import default_gguf_path
+from staticlm.runtime.family.manifest import load_manifest
+
 from .base import BenchContext, Row
 from .peers import PeerModel, PeerUnavailable, prepare, run_worker
 
@@ -14,8 +17,6 @@ MB = 1e6
 
 
 def workload(ctx: BenchContext, model: str) -> dict:
-    from staticlm.runtime.family.manifest import load_manifest
-
     cfg = load_manifest(ctx.model_dir).model
     o = ctx.options
     return {"model": model, "threads": o.threads, "contexts": list(ctx.contexts), "decode_steps": ctx.decode_steps,
@@ -27,9 +28,6 @@ def workload(ctx: BenchContext, model: str) -> dict:
 
 def _peer_gguf(ctx: BenchContext) -> Path | None:
     """The GGUF the family was made from, when it is the default model's (the only source peers get)."""
-    from staticlm.export.sources.load import default_gguf_path
-    from staticlm.runtime.family.manifest import load_manifest
-
     if "SmolLM2-135M" not in load_manifest(ctx.model_dir).source:
         return None
     return default_gguf_path()

@@ -15,8 +15,9 @@ import numpy as np
 from staticlm.kv_manager import Strategy
 from staticlm.runtime.family.contract import KVLayout
 from staticlm.runtime.family.manifest import load_manifest
+from staticlm.runtime.ladder import ladder_step, load_rates
 
-from .base import BenchContext, Row
+from .base import BenchContext, BenchError, Row
 
 ORDER = (Strategy.CONCAT, Strategy.SHIFT, Strategy.BMC, Strategy.POINTER)
 PROMPT_TOKENS = 16
@@ -30,15 +31,13 @@ def generation_length(ctx: BenchContext) -> int:
 
 
 def _bmc_r(ctx: BenchContext) -> int:
-    from staticlm.runtime.ladder import ladder_step, load_rates
-
     return ladder_step(max_context=ctx.max_context, rates=load_rates())
 
 
 def latencies(ctx: BenchContext, strategy: Strategy, tokens: list[int], *, model_dir) -> tuple[np.ndarray, dict]:
     """Seconds per decode step at positions PROMPT_TOKENS.. and the cache's counters."""
     bmc_r = _bmc_r(ctx) if strategy is Strategy.BMC else None
-    engine = ctx.engine(model_dir=model_dir, kv_strategy=strategy, bmc_r=bmc_r)
+    engine = ctx.model(model_dir=model_dir, kv_strategy=strategy, bmc_r=bmc_r).engine
     engine.prefill(tokens[:PROMPT_TOKENS])
     before = engine.kv.stats.copied_bytes  # the prefill's own copies are not the per-token cost
     seconds = np.empty(len(tokens) - PROMPT_TOKENS)
@@ -63,7 +62,7 @@ def _runs(ctx: BenchContext) -> list[tuple[Strategy, object]]:
             "`staticlm export --target cpu --cpu-attention windows --out DIR`")
         return [(Strategy.IN_PLACE, ctx.model_dir)]
     if load_manifest(windows).kv_layout is not KVLayout.PER_HEAD:
-        raise ValueError(f"--windows-model {windows} keeps its KV in place too: export it with --cpu-attention windows")
+        raise BenchError(f"--windows-model {windows} keeps its KV in place too: export it with --cpu-attention windows")
     return [(s, windows) for s in ORDER] + [(Strategy.IN_PLACE, ctx.model_dir)]
 
 

@@ -3,18 +3,18 @@ from __future__ import annotations
 
 import sys
 
-from staticlm.apps.common import RunOptions, open_chat, open_engine
 from staticlm.apps.interrupt import StopFlag, sigint_sets
-from staticlm.kv_manager import ContextFull
-from staticlm.runtime.generator import GenerationParams
+from staticlm.apps.models import open_model
+from staticlm.errors import UserError
+from staticlm.runtime.options import RunOptions
 
 HELP = "commands: /reset  /stats  /system TEXT  /help   (Ctrl-C stops an answer, Ctrl-D exits)"
 
 
-def run_chat(*, run: RunOptions, params: GenerationParams, system_prompt: str | None = None,
-             input_fn=input, out=sys.stdout) -> int:
-    engine = open_engine(run)
-    session = open_chat(engine, system_prompt=system_prompt, run=run)
+def run_chat(*, options: RunOptions, input_fn=input, out=None) -> int:
+    out = out or sys.stdout
+    model = open_model(options)
+    engine, session = model.engine, model.chat()
     flag = StopFlag()
     out.write(f"staticlm chat · {engine.manifest.source or engine.model_dir.name} on {engine.device_name} · "
               f"context {engine.max_context}\n{HELP}\n")
@@ -36,10 +36,10 @@ def run_chat(*, run: RunOptions, params: GenerationParams, system_prompt: str | 
         flag.clear()
         try:
             with sigint_sets(flag):
-                for chunk in session.send(line, params, should_stop=flag):
+                for chunk in session.send(line, should_stop=flag):
                     out.write(chunk)
                     out.flush()
-        except (ContextFull, ValueError) as e:
+        except UserError as e:  # a full context, an empty message: the chat goes on
             out.write(f"\nerror: {e}\n")
             continue
         out.write(" [stopped]\n" if flag() else "\n")

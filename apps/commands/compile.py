@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from staticlm.apps.common import UserError
+from staticlm.errors import InvalidOption
 from staticlm.runtime.device import DeviceOptions, compile_graph_contexts, compile_shared_context, family_graph_files
 from staticlm.runtime.family.manifest import load_manifest
 from staticlm.runtime.qnn_context import EMULATOR
@@ -20,13 +21,13 @@ def _binaries_mb(directory: Path) -> float:
 def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: bool = False) -> Path:
     manifest = load_manifest(model)  # a missing, corrupt or foreign-version family fails here, in one line
     if manifest.quant is None:
-        raise UserError(f"{model} is not an HTP family (its graphs are float or CPU-only): "
+        raise InvalidOption(f"{model} is not an HTP family (its graphs are float or CPU-only): "
                         "export it with --target htp first")
     options = DeviceOptions(**({"soc_model": soc_model} if soc_model else {}))
     files = family_graph_files(model)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), disable=quiet) as progress:
+                  TimeElapsedColumn(), console=Console(stderr=True), disable=quiet) as progress:
         what = "per-graph contexts" if per_graph else "one shared context"
         task = progress.add_task(f"compiling {what} (SoC {options.soc_model})", total=len(files))
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from staticlm.apps.common import ensure_default_model, open_chat, open_tokenizer
-from staticlm.runtime.device import DeviceOptions, parse_device
-from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.apps.models import ensure_default_model
+from staticlm.errors import InvalidOption
+from staticlm.runtime.device import Device
+from staticlm.runtime.engine import Engine
 from staticlm.runtime.generator import GenerationParams
+from staticlm.runtime.model import Model
+from staticlm.runtime.options import RunOptions
 
 from .eval_metrics import compare, held_out_text
 
@@ -16,10 +19,9 @@ ANSWER_PROMPTS = ("What is the capital of France?", "Give me two tips for sleepi
 ANSWER_TOKENS = 48
 
 
-def _greedy_answer(engine: Engine, prompt: str) -> str:
-    engine.reset()
-    session = open_chat(engine)
-    return "".join(session.send(prompt, GenerationParams(max_new_tokens=ANSWER_TOKENS))).strip()
+def _greedy_answer(model: Model, prompt: str) -> str:
+    model.engine.reset()
+    return "".join(model.chat().send(prompt, GenerationParams(max_new_tokens=ANSWER_TOKENS))).strip()
 
 
 def _precision(engine: Engine) -> str:
@@ -34,15 +36,16 @@ def _precision(engine: Engine) -> str:
 
 def run_eval(*, model: Path, reference: Path | None, text: Path | None, max_tokens: int | None, num_answers: int,
              device: str, as_json: bool) -> int:
-    options = EngineOptions(device=DeviceOptions(device=parse_device(device)))
-    ref_options = EngineOptions(device=DeviceOptions(device=parse_device("cpu")))  # the float reference: CPU
-    engine = Engine(model, options=options)
-    ref = Engine(reference or ensure_default_model(), options=ref_options)
+    options = RunOptions(device=device)
+    reference = reference or ensure_default_model()
+    quantized = Model.open(model, options, warm_up=False)
+    ref = Model.open(reference, RunOptions(device=Device.CPU), warm_up=False)  # the float reference: CPU
+    engine = quantized.engine
     if engine.manifest.model != ref.manifest.model:
-        raise ValueError(f"{model} and {reference} are not the same model architecture")
-    ids = open_tokenizer(model).encode(held_out_text(text), add_special_tokens=False)
-    result = compare(engine, ref, ids, max_tokens=max_tokens)
-    answers = [(p, _greedy_answer(ref, p), _greedy_answer(engine, p)) for p in ANSWER_PROMPTS[:num_answers]]
+        raise InvalidOption(f"{model} and {reference} are not the same model architecture")
+    ids = quantized.tokenizer.encode(held_out_text(text), add_special_tokens=False)
+    result = compare(engine, ref.engine, ids, max_tokens=max_tokens)
+    answers = [(p, _greedy_answer(ref, p), _greedy_answer(quantized, p)) for p in ANSWER_PROMPTS[:num_answers]]
     summary = {"model": str(model), "quant": _precision(engine), "kv_dtype": engine.manifest.kv_dtype,
                "tokens": result.num_tokens, "top1_agreement": result.agreement, "ppl": result.ppl_model,
                "ppl_reference": result.ppl_reference, "ppl_change": result.ppl_change,
@@ -50,7 +53,7 @@ def run_eval(*, model: Path, reference: Path | None, text: Path | None, max_toke
     if as_json:
         print(json.dumps(summary))
         return 0
-    print(f"{model} ({summary['quant']}, KV {summary['kv_dtype']}) vs {reference or 'the default float model'}")
+    print(f"{model} ({summary['quant']}, KV {summary['kv_dtype']}) vs {reference}")
     print(f"  teacher-forced tokens : {result.num_tokens}")
     print(f"  top-1 agreement       : {100 * result.agreement:.2f} %")
     print(f"  perplexity            : {result.ppl_model:.3f} (reference {result.ppl_reference:.3f}, "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from staticlm.errors import InvalidOption
 from staticlm.runtime.engine import Engine
 
 
@@ -28,9 +29,13 @@ class EvalResult:
 
 
 def held_out_text(path: Path | None = None) -> str:
-    if path is not None:
-        return Path(path).read_text()
-    return resources.files("staticlm.apps").joinpath("data/eval_en.txt").read_text()
+    """The shipped English text, or the user's file (a one-line error when it cannot be read)."""
+    if path is None:
+        return resources.files("staticlm.apps").joinpath("data/eval_en.txt").read_text()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidOption(f"cannot read the evaluation text {path}: {e.strerror or e}") from None
 
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -59,6 +64,6 @@ def compare(model: Engine, reference: Engine, token_ids: list[int], *, max_token
         nll_r += float(_nll(lr, targets).sum())
         count += targets.size
     if count == 0:
-        raise ValueError("the evaluation text has fewer than two tokens")
+        raise InvalidOption("the evaluation text has fewer than two tokens")
     return EvalResult(num_tokens=count, agreement=agree / count, ppl_model=float(np.exp(nll_m / count)),
                       ppl_reference=float(np.exp(nll_r / count)))

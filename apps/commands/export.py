@@ -1,11 +1,24 @@
-"""`staticlm export`"""
+"""`staticlm export`: a model source into a family, for the float reference, `--target cpu` or `--target htp`.
+
+The three targets share the steps a user sees (read the source, optionally cut it to a draft model, write the
+family with a progress bar on stderr); each brings its own options and its own family writer.
+"""
 from __future__ import annotations
 
+import argparse
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from staticlm.apps.home import DEFAULT_MODEL, default_model_dir
+from staticlm.errors import InvalidOption
+from staticlm.export.cpu.family import export_cpu_family, num_cpu_steps
+from staticlm.export.cpu.graph import CpuAttention, CpuOptions, WeightBits
+from staticlm.export.draft import truncate_layers
 from staticlm.export.family import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_CONTEXTS,
@@ -15,101 +28,130 @@ from staticlm.export.family import (
     export_family,
     num_steps,
 )
-from staticlm.export.sources.load import load_model
+from staticlm.export.htp.calibration import calibration_prompts
+from staticlm.export.htp.family import export_quantized_family, num_quant_steps
+from staticlm.export.htp.options import QuantOptions
+from staticlm.export.sources import load_model
+from staticlm.runtime.family.manifest import Manifest
+from staticlm.runtime.family.quant_params import KVBits, Quant
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise InvalidOption(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 def parse_contexts(text: str | None) -> tuple[int, ...]:
     if not text:
         return DEFAULT_CONTEXTS
-    try:
-        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise ValueError(f"--context takes comma-separated integers, got {text!r}") from None
+    values = _int_list(text, "--context")
     if not values or min(values) < 2:
-        raise ValueError(f"--context sizes must be integers >= 2, got {text!r}")
+        raise InvalidOption(f"--context sizes must be integers >= 2, got {text!r}")
     return values
 
 
 def parse_verify_lens(text: str | None, *, prefill_len: int) -> tuple[int, ...]:
     if text is None:  # the defaults that fit under the chosen prefill length
         return tuple(n for n in DEFAULT_VERIFY_LENS if n < prefill_len)
-    if text.strip().lower() in ("", "none"):
-        return ()
-    try:
-        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise ValueError(f"--verify-lens takes comma-separated integers or 'none', got {text!r}") from None
+    return () if text.strip().lower() in ("", "none") else _int_list(text, "--verify-lens")
 
 
 def parse_batch_sizes(text: str | None) -> tuple[int, ...]:
     if text is None:
         return DEFAULT_BATCH_SIZES
-    if text.strip().lower() in ("", "none"):
-        return ()
+    return () if text.strip().lower() in ("", "none") else _int_list(text, "--batch-sizes")
+
+
+def parse_cpu_options(*, weight_bits: int | None, attention: str | None) -> CpuOptions:
     try:
-        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+        bits = WeightBits(weight_bits or 4)
     except ValueError:
-        raise ValueError(f"--batch-sizes takes comma-separated integers or 'none', got {text!r}") from None
+        raise InvalidOption(f"--weight-bits takes 4 or 8, got {weight_bits}") from None
+    try:
+        kind = CpuAttention((attention or CpuAttention.GQA.value).lower())
+    except ValueError:
+        raise InvalidOption(f"--cpu-attention takes gqa or windows, got {attention!r}") from None
+    return CpuOptions(bits=bits, attention=kind)
 
 
-def parse_quant_options(*, target: str | None, quant: str | None, kv_bits: int | None, calib_steps: int | None):
-    """QuantOptions for --target htp; None for the float family. Quantization options without it are an error."""
-    if target is None or target.lower() == "float":
-        if quant is not None or kv_bits is not None or calib_steps is not None:
-            raise ValueError("--quant, --kv-bits and --calib-steps need --target htp")
-        return None
-    if target.lower() != "htp":
-        raise ValueError(f"unknown --target {target!r}: choose htp, cpu or float (the default)")
-    from staticlm.runtime.family.quant_params import KVBits, Quant, QuantOptions
-
+def parse_quant_options(*, quant: str | None, kv_bits: int | None, calib_steps: int | None) -> QuantOptions:
     try:
         q = Quant((quant or "w8a16").lower())
         bits = KVBits(kv_bits or 16)
     except ValueError:
-        raise ValueError(f"--quant takes w8a16, w4a16 or kv and --kv-bits 16 or 8, got {quant!r}, {kv_bits!r}") from None
+        raise InvalidOption(f"--quant takes w8a16, w4a16 or kv and --kv-bits 16 or 8, got {quant!r}, "
+                            f"{kv_bits!r}") from None
     if q is Quant.FLOAT:
-        raise ValueError("--quant float is the default export: leave out --target htp")
+        raise InvalidOption("--quant float is the default export: leave out --target htp")
     return QuantOptions(quant=q, kv_bits=bits, **({"calib_steps": calib_steps} if calib_steps is not None else {}))
 
 
-def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | None,
-               prefill_len: int | None, verify_lens: str | None = None, batch_sizes: str | None = None,
+# One target: (its progress steps, its family writer taking (loaded, out_dir, on_step), what it writes)
+Exporter = tuple[int, Callable[..., Manifest], str]
+
+
+def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | None, cpu_attention: str | None,
+              quant: str | None, kv_bits: int | None, calib_steps: int | None) -> Exporter:
+    """The target's writer, every option checked before the (possibly slow) source is read."""
+    target = (target or ("cpu" if weight_bits is not None or cpu_attention is not None else "float")).lower()
+    cpu_flags, htp_flags = (weight_bits, cpu_attention), (quant, kv_bits, calib_steps)
+    if target not in ("float", "cpu", "htp"):
+        raise InvalidOption(f"unknown --target {target!r}: choose htp, cpu or float (the default)")
+    if target != "cpu" and any(o is not None for o in cpu_flags):
+        raise InvalidOption(f"--weight-bits and --cpu-attention need --target cpu, got --target {target}")
+    if target != "htp" and any(o is not None for o in htp_flags):
+        raise InvalidOption(f"--quant, --kv-bits and --calib-steps need --target htp, got --target {target}")
+    if target == "cpu":
+        cpu = parse_cpu_options(weight_bits=weight_bits, attention=cpu_attention)
+        return (num_cpu_steps(options), lambda loaded, out, on_step: export_cpu_family(
+            loaded, out, options=options, cpu=cpu, on_step=on_step),
+            f"int{int(cpu.bits)} (head int{int(cpu.head)}) CPU, {cpu.attention.value} attention")
+    if target == "htp":
+        q = parse_quant_options(quant=quant, kv_bits=kv_bits, calib_steps=calib_steps)
+        prompts = calibration_prompts()
+        return (num_quant_steps(options, len(prompts), q.quant), lambda loaded, out, on_step: export_quantized_family(
+            loaded, out, options=options, quant=q, prompts=prompts, on_step=on_step), f"{q.quant.value} HTP")
+    return num_steps(options), lambda loaded, out, on_step: export_family(
+        loaded, out, options=options, on_step=on_step), "float"
+
+
+def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | None = None,
+               prefill_len: int | None = None, verify_lens: str | None = None, batch_sizes: str | None = None,
                draft_layers: int | None = None, quiet: bool = False, target: str | None = None,
                quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
                weight_bits: int | None = None, cpu_attention: str | None = None) -> Path:
-    ctx = contexts if isinstance(contexts, tuple) else parse_contexts(contexts)
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
-    options = ExportOptions(contexts=ctx, prefill_len=prefill_len,
+    options = ExportOptions(contexts=contexts if isinstance(contexts, tuple) else parse_contexts(contexts),
+                            prefill_len=prefill_len,
                             verify_lens=parse_verify_lens(verify_lens, prefill_len=prefill_len),
                             batch_sizes=parse_batch_sizes(batch_sizes))
-    if (target or "").lower() == "cpu" or weight_bits is not None or cpu_attention is not None:  # export_cpu.py
-        from .export_cpu import run_export_cpu
-
-        return run_export_cpu(model=model, out_dir=out_dir, options=options, target=target, weight_bits=weight_bits,
-                              attention=cpu_attention,
-                              other_options=(quant, kv_bits, calib_steps), draft_layers=draft_layers, quiet=quiet)
-    quant_options = parse_quant_options(target=target, quant=quant, kv_bits=kv_bits, calib_steps=calib_steps)
-    if quant_options is not None:
-        from .export_htp import run_export_htp
-
-        return run_export_htp(model=model, out_dir=out_dir, options=options, quant=quant_options,
-                              draft_layers=draft_layers, quiet=quiet)
+    num_target_steps, write, what = _exporter(options, target=target, weight_bits=weight_bits,
+                                              cpu_attention=cpu_attention, quant=quant, kv_bits=kv_bits,
+                                              calib_steps=calib_steps)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), disable=quiet, transient=False) as progress:
-        task = progress.add_task(f"reading {model}", total=num_steps(options) + 1)
+                  TimeElapsedColumn(), console=Console(stderr=True), disable=quiet, transient=True) as progress:
+        task = progress.add_task(f"reading {model}", total=num_target_steps + 1)
         loaded = load_model(model)
         if draft_layers is not None:
-            from staticlm.export.draft import truncate_layers
-
             loaded = truncate_layers(loaded, draft_layers)
         progress.update(task, advance=1, description="writing weights")
-
-        def step(name: str) -> None:
-            progress.update(task, advance=1, description=f"wrote {name}")
-
-        manifest = export_family(loaded, out_dir, options=options, on_step=step)
+        manifest = write(loaded, out_dir,
+                         lambda name: progress.update(task, advance=1, description=f"wrote {name}"))
     if not quiet:
-        names = ", ".join(g.name for g in manifest.graphs)
-        print(f"exported {len(manifest.graphs)} graphs ({names}) to {out_dir} in {time.perf_counter() - t0:.1f} s")
+        files = sorted({g.file for g in manifest.graphs})
+        print(f"exported {len(files)} {what} graphs serving {len(manifest.graphs)} shapes (KV {manifest.kv_dtype}) "
+              f"to {out_dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return Path(out_dir)
+
+
+def run_export_command(args: argparse.Namespace) -> int:
+    out = args.out or (default_model_dir() if args.model == DEFAULT_MODEL else
+                       Path(Path(args.model).stem + "-staticlm"))
+    run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len,
+               verify_lens=args.verify_lens, batch_sizes=args.batch_sizes, draft_layers=args.draft_layers,
+               quiet=args.quiet, target=args.target, quant=args.quant, kv_bits=args.kv_bits,
+               calib_steps=args.calib_steps, weight_bits=args.weight_bits, cpu_attention=args.cpu_attention)
+    return 0

@@ -1,52 +1,90 @@
-"""`staticlm generate`: one prompt in, streamed text (or one JSON object) out."""
+"""`staticlm generate`: one prompt in, streamed text (or one JSON object) out; `--num-responses N` answers it N
+times, decoded together in the batched graphs."""
 from __future__ import annotations
 
 import json
 import sys
+import time
 
-from staticlm.apps.common import RunOptions, open_chat, open_engine
-from staticlm.apps.interrupt import StopFlag, sigint_sets
-from staticlm.runtime.chat import ChatSession
-from staticlm.runtime.generator import FinishReason, GenerationParams
+from staticlm.apps.interrupt import Interrupted, StopFlag, sigint_sets
+from staticlm.apps.models import open_model
+from staticlm.errors import InvalidOption
+from staticlm.runtime.chat_template import Message
+from staticlm.runtime.generator import FinishReason
+from staticlm.runtime.model import Model
+from staticlm.runtime.options import RunOptions
 
 
-class Interrupted(Exception):
-    """Ctrl-C stopped the generation; the partial output was already printed."""
-
-
-def run_generate(*, prompt: str, run: RunOptions, params: GenerationParams, chat: bool = True,
-                 system_prompt: str | None = None, as_json: bool = False) -> dict:
+def run_generate(*, prompt: str, options: RunOptions, chat: bool = True, num_responses: int = 1,
+                 as_json: bool = False) -> dict:
     if not prompt.strip():
-        raise ValueError("the prompt is empty: pass some text with --prompt")
-    engine = open_engine(run)
-    session: ChatSession = open_chat(engine, system_prompt=system_prompt, run=run)
-    if chat:
-        stream = session.send(prompt, params, should_stop=(flag := StopFlag()))
-    else:
-        ids = session.generator.tokenizer.encode(prompt, add_special_tokens=True)
-        stream = session.generator.stream(ids, params, should_stop=(flag := StopFlag()))
+        raise InvalidOption("the prompt is empty: pass some text with --prompt")
+    if num_responses < 1:
+        raise InvalidOption(f"--num-responses must be >= 1, got {num_responses}")
+    model = open_model(options)
+    ids = (model.format.prompt_ids([Message(role="user", content=prompt)], system_prompt=options.system_prompt_or_none)
+           if chat else model.tokenizer.encode(prompt, add_special_tokens=True))
+    run = _generate_one if num_responses == 1 else _generate_batch
+    summary, cancelled = run(model, ids, num_responses=num_responses, as_json=as_json)
+    if as_json:
+        print(json.dumps(summary))
+    if cancelled:
+        raise Interrupted("interrupted: generation stopped by Ctrl-C")
+    return summary
+
+
+def _generate_one(model: Model, ids: list[int], *, num_responses: int, as_json: bool) -> tuple[dict, bool]:
+    generator, engine = model.generator, model.engine
+    flag = StopFlag()
     with sigint_sets(flag):
-        for chunk in stream:
+        for chunk in generator.stream(ids, model.options.generation_params(), should_stop=flag):
             if not as_json:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
-    result = session.generator.last_result
+    if not as_json:
+        sys.stdout.write("\n")
+    result = generator.last_result
     summary = {
         "token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason.value,
         "prompt_tokens": result.prompt_tokens, "new_tokens": len(result.token_ids),
         "ttft_s": round(result.ttft_s, 4), "prefill_tok_s": round(result.prefill_tok_s, 2),
         "decode_tok_s": round(result.decode_tok_s, 2), "device": engine.device_name,
-        "kv_strategy": run.kv_strategy, "kv_copied_bytes": int(engine.kv.stats.copied_bytes),
+        "kv_strategy": engine.kv_strategy.value, "kv_copied_bytes": int(engine.kv.stats.copied_bytes),
     }
-    spec = session.generator.speculator
+    spec = generator.speculator
     if spec is not None:
         summary.update(drafted_tokens=spec.stats.num_drafted, accepted_tokens=spec.stats.num_accepted,
                        verify_steps=spec.stats.num_steps, acceptance_rate=round(spec.stats.acceptance_rate, 3),
                        verify_rows=engine.counters.num_verify_rows)
-    if as_json:
-        print(json.dumps(summary))
-    else:
-        sys.stdout.write("\n")
-    if result.finish_reason is FinishReason.CANCELLED:
-        raise Interrupted("interrupted: generation stopped by Ctrl-C")
-    return summary
+    return summary, result.finish_reason is FinishReason.CANCELLED
+
+
+def _generate_batch(model: Model, ids: list[int], *, num_responses: int, as_json: bool) -> tuple[dict, bool]:
+    batch = model.batch(num_responses)
+    batch.batch.warm_up()
+    flag = StopFlag()
+    t0 = time.perf_counter()
+    with sigint_sets(flag):
+        responses = batch.generate(ids, model.options.generation_params(), should_stop=flag)
+    seconds = time.perf_counter() - t0
+    num_tokens = sum(len(r.token_ids) for r in responses)
+    summary = {
+        "responses": [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason.value,
+                       "first_token_s": round(r.first_token_s, 4), "last_token_s": round(r.last_token_s, 4)}
+                      for r in responses],
+        "prompt_tokens": len(ids), "new_tokens": num_tokens, "total_tok_s": round(num_tokens / seconds, 2),
+        "first_response_s": round(min(r.last_token_s for r in responses), 4),
+        "mean_response_s": round(sum(r.last_token_s for r in responses) / len(responses), 4),
+        "device": model.engine.device_name, "kv_copied_bytes": int(batch.batch.kv.stats.copied_bytes),
+    }
+    speculator = batch.speculator
+    if speculator is not None:
+        counters = batch.batch.counters
+        summary.update(drafted_tokens=speculator.stats.num_drafted, accepted_tokens=speculator.stats.num_accepted,
+                       verify_steps=speculator.stats.num_steps, decode_steps=counters.num_decode_steps,
+                       acceptance_rate=round(speculator.stats.acceptance_rate, 3),
+                       verify_rows=counters.num_verify_rows, verify_real_rows=counters.num_verify_tokens)
+    if not as_json:
+        for i, r in sorted(enumerate(responses), key=lambda ir: ir[1].last_token_s):
+            sys.stdout.write(f"--- response {i + 1} ({r.last_token_s:.1f} s, {r.finish_reason.value}) ---\n{r.text}\n")
+    return summary, any(r.finish_reason is FinishReason.CANCELLED for r in responses)

@@ -9,12 +9,8 @@ import importlib.util
 import os
 import sys
 
-# CLI option (argparse dest) -> AppSettings field. Only options the user typed override the saved settings.
-CLI_TO_SETTINGS = {"model": "model_dir", "device": "device", "threads": "num_threads", "kv_strategy": "kv_strategy",
-                   "kv_reserve": "kv_reserve", "on_overflow": "overflow", "max_new_tokens": "max_new_tokens",
-                   "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                   "repetition_penalty": "repetition_penalty", "system": "system_prompt", "ignore_eos": "ignore_eos",
-                   "speculate": "speculate"}
+from staticlm.apps.commands.chat import run_chat
+from staticlm.runtime.options import RunOptions
 
 _KEEP_UNTIL_EXIT: list = []
 
@@ -34,19 +30,10 @@ def qt_missing() -> str | None:
     return None
 
 
-def settings_with(saved, overrides: dict):
-    """The saved settings with the options given on the command line on top (unknown keys ignored)."""
-    values = {CLI_TO_SETTINGS[k]: v for k, v in overrides.items() if k in CLI_TO_SETTINGS and v is not None}
-    if "model_dir" in values:
-        values["model_dir"] = str(values["model_dir"])
-    if "system_prompt" in values:
-        values["system_prompt"] = values["system_prompt"] or ""
-    merged = {**saved.to_dict(), **{k: (v.value if hasattr(v, "value") else v) for k, v in values.items()}}
-    return type(saved).from_dict(merged)
-
-
-def run_app(*, overrides: dict | None = None, argv: list[str] | None = None) -> int:
-    """Open the window, load the model (exporting the default one on first run) and run until it closes."""
+def run_app(*, typed: dict | None = None, argv: list[str] | None = None) -> int:
+    """Open the window with the saved settings and the typed run options on top, load the model (exporting the
+    default one on first run) and run until it closes."""
+    # Qt, and the modules built on it, load only here: where a display exists (see the module docstring).
     from PySide6.QtWidgets import QApplication
 
     from .settings import load_settings
@@ -55,7 +42,7 @@ def run_app(*, overrides: dict | None = None, argv: list[str] | None = None) -> 
     app = QApplication.instance() or QApplication(list(argv) if argv is not None else sys.argv[:1])
     app.setApplicationName("staticlm")
     saved, warning = load_settings()
-    window = MainWindow(settings_with(saved, overrides or {}), persist_settings=True)
+    window = MainWindow(saved.replace(**(typed or {})), persist_settings=True)
     if warning:
         window.show_banner(warning, "warning")
     window.show()
@@ -68,19 +55,18 @@ def run_app(*, overrides: dict | None = None, argv: list[str] | None = None) -> 
         _KEEP_UNTIL_EXIT.append(window)  # collected while the QApplication lives, PySide 6.12 crashes later
 
 
-def launch(*, run, params, system_prompt: str | None, overrides: dict, out=sys.stderr) -> int:
-    """The window when it can open, else the terminal chat with a one-line notice saying why."""
+def launch(*, typed: dict, out=None) -> int:
+    """The window when it can open, else the terminal chat (the CLI's defaults and the typed options) with a
+    one-line notice saying why."""
     why = None if has_display() else "no display (DISPLAY/WAYLAND_DISPLAY unset)"
     why = why or qt_missing()
     if why is None:
-        code = run_app(overrides=overrides)
+        code = run_app(typed=typed)
         # Everything is saved by now (conversations after each answer, settings on OK), and the worker thread
         # has ended. PySide 6.12 can still crash in the interpreter's teardown (a refcount error seen under
         # xcb after an answer), so the process ends here, without that teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    print(f"staticlm: {why}; starting the terminal chat instead", file=out)
-    from staticlm.apps.commands.chat import run_chat
-
-    return run_chat(run=run, params=params, system_prompt=system_prompt)
+    print(f"staticlm: {why}; starting the terminal chat instead", file=out or sys.stderr)
+    return run_chat(options=RunOptions(**typed))

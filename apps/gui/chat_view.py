@@ -45,11 +45,6 @@ class ChatView(QTextBrowser):
         self._streaming = streaming
         self.render_now()
 
-    def begin_stream(self) -> None:
-        self._streaming = ""
-        self._status = ""
-        self.render_now()
-
     def append_stream(self, text: str) -> None:
         if self._streaming is None:
             self._streaming = ""

@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from staticlm.apps.home import home
+
 FORMAT = "staticlm-conversation"
 VERSION = 1
 
 
 def conversations_dir() -> Path:
-    from staticlm.apps.common import home
-
     return home() / "conversations"
 
 

@@ -13,6 +13,9 @@ from PySide6.QtCore import QPointF, QRectF, QSize, Qt
 from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen, QPolygonF
 from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from staticlm.kv_manager import Strategy
+from staticlm.runtime.family.manifest import GraphKind
+
 HISTORY = 600  # end-pointer samples kept for the strip
 
 C_FREE, C_VALID, C_PAD = QColor("#e9ecef"), QColor("#4c8bf5"), QColor("#c9d7f2")
@@ -46,13 +49,11 @@ class KVProbe:
     """Reads the kv_manager's counters for one engine: a handful of integers, never a buffer."""
 
     def __init__(self, engine) -> None:
-        from staticlm.runtime.family.manifest import GraphKind
-
         self.engine = engine
         # The decode ladder's windows, smallest first: the engine runs the smallest that holds every row.
         self.windows = tuple(sorted(g.shape.past_len for g in engine.manifest.graphs_of(GraphKind.DECODE)))
-        self.strategy = "in_place" if engine.in_place else engine.options.kv_strategy.value
-        self.in_place = engine.in_place
+        self.strategy = engine.kv_strategy.value
+        self.in_place = engine.kv_strategy is Strategy.IN_PLACE
 
     def window_for(self, length: int) -> int:
         if self.in_place:  # GroupQueryAttention reads exactly the valid rows

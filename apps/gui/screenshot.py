@@ -14,6 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+from PySide6.QtWidgets import QApplication
+
+from staticlm.runtime.device import Device
+
+from .history import Conversation
+from .settings import app_settings
+from .window import MainWindow
+
 DEMO = [
     {"role": "user", "content": "How do I reverse a list in Python?"},
     {"role": "assistant", "content": (
@@ -40,10 +48,6 @@ def _pump_until(app, done, *, timeout_s: float) -> bool:
 def capture(window, out: Path, *, prompt: str, min_chunks: int = 30, timeout_s: float = 120.0,
             screen: bool = False) -> Path:
     """Load the model, open the demo conversation, send `prompt` and grab once `min_chunks` pieces streamed."""
-    from PySide6.QtWidgets import QApplication
-
-    from .history import Conversation
-
     app = QApplication.instance()
     conv = Conversation(messages=[dict(m) for m in DEMO])
     window.store.save(conv)
@@ -76,17 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--screen", action="store_true", help="grab the whole screen, not just the window")
     args = parser.parse_args(argv)
 
-    from PySide6.QtWidgets import QApplication
-
-    from staticlm.runtime.device import Device
-
-    from .settings import AppSettings
-    from .window import MainWindow
-
     _KEEP_UNTIL_EXIT.append(QApplication.instance() or QApplication(sys.argv[:1]))  # must outlive the window
     # Sampled, not greedy: a random test model's greedy answer is often blank lines, which show nothing.
-    settings = AppSettings(model_dir=str(args.model), device=Device.CPU, temperature=1.5, max_new_tokens=4000,
-                           ignore_eos=True)
+    settings = app_settings(model_dir=args.model, device=Device.CPU, temperature=1.5, max_new_tokens=4000,
+                            ignore_eos=True)
     window = MainWindow(settings)
     window.move(0, 0)
     window.resize(1280, 800)

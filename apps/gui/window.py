@@ -20,12 +20,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from staticlm.runtime.options import RunOptions
+
 from .chat_view import ChatInput, ChatView
 from .collector import main_thread_gc
 from .history import Conversation, ConversationStore
 from .history_panel import HistoryPanel
 from .kv_view import KVPanel
-from .settings import AppSettings, SettingsDialog, save_settings
+from .settings import SettingsDialog, app_settings, save_settings
 from .worker import AnswerSummary, GenerationWorker, LoadedInfo, Tick
 
 BANNER = {"error": "background:#fff5f5; color:#c92a2a; border:1px solid #ffc9c9",
@@ -38,12 +40,12 @@ class MainWindow(QMainWindow):
     _req_regenerate = Signal(object)
     _req_restore = Signal(list)
 
-    def __init__(self, settings: AppSettings | None = None, *, store: ConversationStore | None = None,
+    def __init__(self, settings: RunOptions | None = None, *, store: ConversationStore | None = None,
                  persist_settings: bool = False) -> None:
         super().__init__()
         self.setWindowTitle("staticlm")
         self.resize(1180, 760)
-        self.settings = settings or AppSettings()
+        self.settings = settings or app_settings()
         self.persist_settings = persist_settings
         self.store = store or ConversationStore()
         self.conv = Conversation()
@@ -143,7 +145,7 @@ class MainWindow(QMainWindow):
         """Load the model (exporting the default one on first run) in the worker, with progress."""
         self._load(self.settings)
 
-    def _load(self, settings: AppSettings) -> None:
+    def _load(self, settings: RunOptions) -> None:
         if self.busy:
             self.stop_flag.set()  # the load is queued behind the answer being stopped
         self.model_ready, self.busy = False, True
@@ -191,7 +193,7 @@ class MainWindow(QMainWindow):
         self.show_banner(f"Could not load the model: {message} Choose another in Settings.", "error")
         self._update_buttons()
 
-    def apply_settings(self, new: AppSettings) -> None:
+    def apply_settings(self, new: RunOptions) -> None:
         old, self.settings = self.settings, new
         if self.persist_settings:
             try:

@@ -7,11 +7,22 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from PySide6.QtCore import QCoreApplication, QObject, Signal, Slot
 
+from staticlm.apps.home import DEFAULT_MODEL, default_model_dir
 from staticlm.apps.interrupt import StopFlag
+from staticlm.errors import UserError
+from staticlm.export.family import ExportOptions, export_family, num_steps
+from staticlm.export.sources import load_model
+from staticlm.kv_manager import ContextFull
+from staticlm.runtime.chat_template import Message
+from staticlm.runtime.device import npu_available
+from staticlm.runtime.family.manifest import MANIFEST_NAME, GraphKind
+from staticlm.runtime.model import Model, check_draft_model
+
+from .kv_view import KVProbe
 
 
 class Cancelled(Exception):
@@ -54,11 +65,11 @@ def friendly_error(e: BaseException) -> str:
     """One line a user can act on; the traceback goes to stderr, never into the window."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     kind = type(e).__name__
-    if kind == "ContextFull":
+    if isinstance(e, ContextFull):
         # Sliding cannot help past the positions the model knows; only a new chat can.
         hint = "" if "positions" in text else ", or choose the 'slide' overflow policy in Settings"
         return f"The context is full ({text or 'no room for more tokens'}). Start a new chat{hint}."
-    if kind in ("DeviceError", "UserError", "ManifestError", "ExportError", "ModelSourceError", "UnsupportedModel"):
+    if isinstance(e, UserError):
         return text or kind
     if isinstance(e, FileNotFoundError):
         return f"Not found: {e.filename or text}"
@@ -67,8 +78,6 @@ def friendly_error(e: BaseException) -> str:
 
 def detect_devices() -> str:
     """What the machine offers, for the settings dialog."""
-    from staticlm.runtime.device import npu_available
-
     try:
         return "NPU detected (htp available)" if npu_available() else "no NPU detected: auto runs on the CPU"
     except Exception as e:  # noqa: BLE001 -- detection is informative only; it must not fail a load
@@ -80,8 +89,6 @@ def _messages_out(session) -> list[dict]:
 
 
 def _messages_in(messages: list[dict]) -> list:
-    from staticlm.runtime.chat_template import Message
-
     return [Message(role=m["role"], content=m["content"]) for m in messages]
 
 
@@ -99,30 +106,24 @@ class GenerationWorker(QObject):
         super().__init__()
         self.stop_flag = StopFlag()  # Stop / Cancel: the current request only
         self.closing = StopFlag()  # the window is closing: everything, for good
-        self.engine = None
-        self.session = None
-        self.probe = None
+        self.model = self.engine = self.session = self.probe = None
 
     # -- model ---------------------------------------------------------------------------------
     @Slot(object, list)
     def load(self, settings, messages: list) -> None:
         """(Re)build the engine for `settings` and carry the window's conversation over (the cache starts empty)."""
-        from staticlm.apps.common import default_model_dir, open_chat, open_engine
-        from staticlm.runtime.family.manifest import GraphKind
-
-        from .kv_view import KVProbe
-
         self.stop_flag.clear()  # a Stop meant for the answer this load was queued behind is spent
         try:
-            opts = settings.run_options()
-            model_dir = opts.model_dir
+            check_draft_model(settings.speculate_options())
+            model_dir = settings.model_dir
             if model_dir is None:
                 model_dir = default_model_dir()
-                if not (model_dir / "manifest.json").is_file():
+                if not (model_dir / MANIFEST_NAME).is_file():
                     self._export_default(model_dir)
             self.progress.emit(f"Opening {model_dir.name}…", 0, 0)
-            self.engine = self.session = self.probe = None  # the old sessions go before new ones are made
-            engine = open_engine(replace(opts, model_dir=model_dir))
+            self.model = self.engine = self.session = self.probe = None  # old sessions go before new ones
+            model = Model.open(model_dir, settings)
+            engine = model.engine
             # Open every rung the chat uses now, so crossing a context size mid-answer never stalls.
             graphs = [g for g in engine.manifest.graphs_of(GraphKind.DECODE)] + \
                 [g for g in engine.manifest.graphs_of(GraphKind.PREFILL) if g.shape.ar == engine.prefill_len]
@@ -130,9 +131,9 @@ class GenerationWorker(QObject):
                 self._check_cancel()
                 self.progress.emit(f"Loading {entry.name} on {engine.device_name}", i, len(graphs))
                 engine.runner(entry)
-            session = open_chat(engine, system_prompt=settings.system_prompt_or_none, run=opts)
+            session = model.chat()
             session.messages = _messages_in(messages)
-            self.engine, self.session, self.probe = engine, session, KVProbe(engine)
+            self.model, self.engine, self.session, self.probe = model, engine, session, KVProbe(engine)
         except Cancelled:
             self.load_failed.emit("Loading was cancelled.")
             return
@@ -145,10 +146,6 @@ class GenerationWorker(QObject):
                                     max_context=engine.max_context, snapshot=self.probe.snapshot()))
 
     def _export_default(self, target) -> None:
-        from staticlm.apps.common import DEFAULT_MODEL
-        from staticlm.export.family import ExportOptions, export_family, num_steps
-        from staticlm.export.sources.load import load_model
-
         options = ExportOptions()
         total, done = num_steps(options) + 1, 0
         self.progress.emit(f"First run: reading {DEFAULT_MODEL}…", done, total)

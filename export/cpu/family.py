@@ -7,16 +7,13 @@ past length (the BMC ladder's finer rungs) through that file.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import onnx
 
-from staticlm.export.family import TOKENIZER_FILE, WEIGHTS_FILE, ExportOptions, _replace_dir, special_tokens
-from staticlm.export.sources.load import LoadedModel
+from staticlm.export.family import TOKENIZER_FILE, WEIGHTS_FILE, ExportOptions, special_tokens, staged_family
+from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.contract import GraphShape, graph_io, in_place_graph_io
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256
@@ -31,19 +28,13 @@ def graph_file(kind: GraphKind, shape: GraphShape) -> str:
     return f"{kind.value}_ar{shape.ar}{batch}.onnx"
 
 
-def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions = ExportOptions(),
-                      cpu: CpuOptions = CpuOptions(), on_step: Callable[[str], None] | None = None) -> Manifest:
-    """Write the family into out_dir atomically (a failed export leaves an existing out_dir untouched)."""
-    config = model.config
+def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions | None = None,
+                      cpu: CpuOptions | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
+    """Write the family into out_dir atomically (see family.staged_family)."""
+    config, options, cpu = model.config, options or ExportOptions(), cpu or CpuOptions()
     options.validate(config.max_positions)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     step = on_step or (lambda _name: None)
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    work.chmod(0o777 & ~umask)
-    try:
+    with staged_family(out_dir) as work:
         writer = WeightFileWriter(work / WEIGHTS_FILE)
         write_cpu_weights(config, model.weights, writer, cpu)
         weights_bytes, weights_sha = writer.close()
@@ -78,10 +69,6 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True})
         manifest.save(work)
         step("manifest")
-        _replace_dir(work, out_dir)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     return manifest
 
 

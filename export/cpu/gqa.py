@@ -10,7 +10,7 @@ One fused node per layer does RoPE, the attention over every head group and the 
 - `query_seqlens` right-pads a step (a prompt's last chunk, drafts shorter than the verify graph, idle
   sequences of a batch at 0): padding rows are neither appended nor attended to.
 
-Compared with cpu_attention.py (windows over per-head tensors: ~20 nodes and 12 bindings per layer), this
+Compared with attention.py (windows over per-head tensors: ~20 nodes and 12 bindings per layer), this
 is 30 GroupQueryAttention nodes instead of ~600 attention nodes for SmolLM2, and 60 bindings made once.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
 
 
 def decoder(graph: CpuLlamaGraph, h: str) -> str:
-    """Embedded rows [B, AR, hidden] -> final-normed rows [B, AR, hidden] (residuals as in cpu_attention)."""
+    """Embedded rows [B, AR, hidden] -> final-normed rows [B, AR, hidden] (residuals as in attention.py)."""
     g, c = graph.g, graph.c
     x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=float(c.rms_norm_eps))
     for layer in range(c.num_layers):

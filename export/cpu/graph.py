@@ -5,8 +5,8 @@
   is exactly GatherBlockQuantized's layout for a uint8-packed table, so the embedding gathers from the same
   bytes: the 49152 x 576 table is stored once, quantized, for both ends of the model.
 - Attention (CpuAttention): by default ORT's GroupQueryAttention over KV buffers it updates in place
-  (cpu_gqa.py, KVLayout.IN_PLACE); `windows` keeps the design's per-head past windows and new-row outputs
-  (cpu_attention.py), which the kv_manager's four strategies and the BMC ladder manage.
+  (gqa.py, KVLayout.IN_PLACE); `windows` keeps the float family's per-head past windows and new-row outputs
+  (attention.py), which the kv_manager's four strategies and the BMC ladder manage.
 - The KV length is symbolic (`past_len`, `kv_rows`): one graph file per (batch, AR) serves every context, so a
   family holds one session (one prepacked weight copy) per AR instead of one per context.
 - Both bodies use ORT's fused CPU contrib ops and few nodes per layer (checked by tests/test_cpu_target.py in
@@ -39,7 +39,7 @@ ROWS_DIM = "kv_rows"
 
 
 class CpuAttention(str, Enum):
-    # GroupQueryAttention, KV appended in place (SmolLM2, 2 threads: 1.2x the windows graph's decode at context 128)
+    # GroupQueryAttention, KV appended in place: fewer nodes and bindings per step than `windows` (see gqa.py)
     GQA = "gqa"
     WINDOWS = "windows"  # per-head past windows + new-row outputs: the kv_manager strategies and the BMC ladder
 
@@ -57,25 +57,25 @@ class WeightBits(IntEnum):
 class CpuOptions:
     bits: WeightBits = WeightBits.INT4
     # The head/embedding table (a fifth of SmolLM2's weights; its GGUF source is 8-bit Q8_0) keeps 8 bits by
-    # default: at 4 bits SmolLM2's top-1 agreement with float falls from 95.5 % to 79.8 % (measured on apps/data/eval_en.txt).
+    # default: at 4 bits it costs much of the top-1 agreement with float (`staticlm eval`, apps/data/eval_en.txt).
     head_bits: WeightBits = WeightBits.INT8
     block_size: int = 32
-    # Asymmetric, because SmolLM2's GGUF layers are asymmetric Q4_1: top-1 agreement with float 95.5 % vs
-    # 74.1 % symmetric (both corrected, 8-bit head). Symmetric decodes ~10 % faster.
+    # Asymmetric, because SmolLM2's GGUF layers are asymmetric Q4_1: symmetric blocks lose much of the top-1
+    # agreement with float (both corrected, 8-bit head), though they decode faster.
     symmetric: bool = False
-    # The head's GGUF source (Q8_0) is symmetric: 95.6 % agreement (vs 95.5 % asymmetric) and -4 % CPU per step.
+    # The head's GGUF source (Q8_0) is symmetric: a symmetric head agrees as well as an asymmetric one, for less CPU.
     head_symmetric: bool = True
-    # 4: activations quantized to int8 per block, int8 dot products. On this AVX2 host 2.7x faster than
-    # float compute (0/1) for M=1, same agreement (66.0 % vs 65.4 % uncorrected: weights dominate the error).
+    # 4: activations quantized to int8 per block, int8 dot products: faster than float compute (0/1) for M=1
+    # on AVX2, at the same agreement (the weights' rounding dominates the error).
     accuracy_level: int = 4
 
-    # Extra K rows undoing each block's mean rounding error (cpu_quant.py): with them SmolLM2's 4-bit layers
-    # agree with float on 95.5 % of top-1 tokens instead of 74.5 % (head at 8 bits both times).
+    # Extra K rows undoing each block's mean rounding error (quant.py): without them SmolLM2's 4-bit layers lose
+    # much of their top-1 agreement with float (see
+    # tests/test_cpu_target.py::test_smollm2_int4_top1_agrees_with_float_on_the_eval_text).
     block_correction: bool = True
     # Which layer linears carry them (kinds of `l{i}.{kind}`); each costs a MatMul and a Concat per layer.
-    # All four are worth it (SmolLM2, eval text, agreement / engine decode tok/s at context 60, 2 threads):
-    # none 72.3 % / 149; qkv+gate_up 83.1 % / 131; qkv+o+gate_up 84.1 % / 125; +down instead of o 93.3 % / 125;
-    # all 95.5 % / 120.
+    # All four are worth it: leaving any kind out saves little decode time and loses top-1 agreement with float
+    # (`down` the most).
     corrected: frozenset[str] = frozenset({"qkv", "o", "gate_up", "down"})
     attention: CpuAttention = CpuAttention.GQA
 
@@ -118,7 +118,7 @@ def write_cpu_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: We
     """Quantize once; write packed blobs, scales and zero points once, for every graph to reference.
 
     Names: `{w}.q` [N, K'/block, blob] uint8, `{w}.scales` [N, K'/block], `{w}.zp` (asymmetric weights only);
-    K' = K + correction_rows(K) for layer weights with the block-mean correction (cpu_quant.py), else K.
+    K' = K + correction_rows(K) for layer weights with the block-mean correction (quant.py), else K.
     """
     options.validate(config.hidden_size)
     stash = _FloatStash()

@@ -16,15 +16,6 @@ from staticlm.runtime.family.contract import GraphShape, Role, graph_io, kv_name
 from .builder import GraphBuilder
 
 
-def prepared_weight_names(config: ModelConfig) -> list[str]:
-    names = ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
-    for layer in range(config.num_layers):
-        names += [f"l{layer}.{n}" for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")]
-        if config.attention_bias:
-            names.append(f"l{layer}.qkv_bias")
-    return names
-
-
 def write_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
     """Lay out HF-named float weights the way the graph consumes them ([in, out], fused)."""
     scale = 1.0 / np.sqrt(config.head_dim)  # folded into Wq: RoPE is linear, so this commutes
@@ -61,7 +52,8 @@ class LlamaGraph:
         # The Pow/ReduceMean/Sqrt/Div pattern is what ORT fuses into SimplifiedLayerNormalization.
         g = self.g
         var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), axes=[-1], keepdims=1)
-        rstd = g.op("Div", g.const(1.0, np.float32), g.op("Sqrt", g.op("Add", var, g.const(self.c.rms_norm_eps, np.float32))))
+        rstd = g.op("Div", g.const(1.0, np.float32),
+                    g.op("Sqrt", g.op("Add", var, g.const(self.c.rms_norm_eps, np.float32))))
         return g.op("Mul", g.op("Mul", x, rstd), g.weight(weight))
 
     def rope(self, x: str, cos: str, sin: str) -> str:
@@ -96,7 +88,7 @@ class LlamaGraph:
         return self.linear(o, f"l{layer}.o")
 
     def linear(self, x: str, weight: str) -> str:
-        """x @ W for an [in, out] weight; the CPU target swaps in MatMulNBits (cpu_graph.py)."""
+        """x @ W for an [in, out] weight; the CPU target swaps in MatMulNBits (export/cpu/graph.py)."""
         return self.g.op("MatMul", x, self.g.weight(weight))
 
     def split_probs(self, probs: str) -> list[str]:

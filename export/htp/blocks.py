@@ -4,7 +4,7 @@ and the 4-bit weights of a float source.
 ORT's quantizer takes block sizes only as one global option for every weight (the embedding's Gather and the
 norms cannot take blocks), so it quantizes these weights per channel and this pass swaps each one's
 DequantizeLinear for the blockwise one: block_size 32 along the input axis, a positive scale per block, zero
-point 0 (QNN HTP computes asymmetric 4-bit blocks wrongly, measured on the emulator).
+point 0 (QNN HTP computes asymmetric 4-bit blocks wrongly; seen on the x86_64 emulator).
 """
 from __future__ import annotations
 

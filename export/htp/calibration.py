@@ -7,11 +7,10 @@ member whose window holds it (left padding, the same mask rule the runtime uses)
 Runtime's calibrator. The boundary ranges (KV, logits) come from every row the float model wrote.
 
 The sink: a sequence's first token (no past) carries massive activations. In SmolLM2 its residual stream
-reaches 22,500 in two channels from layer 11 on, while every other token stays under ~770 (median peak
-over layers 556, channel 507 in layers 3-9; measured on the calibration prompts and the eval text). One 16-bit
-range over both would give every other token a step of 0.7 (the float model's top-1 agreed only 91 %
-with such a family, with 8- or 16-bit weights alike). So the first token is recorded as a step of its own
-and calibrates a graph of its own (GraphKind.SINK); every other step calibrates the family.
+reaches, in a few channels, values far beyond any other token's. One 16-bit range over both would give every
+other token a coarse step and cost agreement with the float model, with 8- or 16-bit weights alike. So the
+first token is recorded as a step of its own and calibrates a graph of its own (GraphKind.SINK); every other
+step calibrates the family.
 """
 from __future__ import annotations
 
@@ -22,8 +21,14 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from onnxruntime.quantization import CalibrationDataReader
 
+from staticlm.kv_manager import attention_bias
+from staticlm.runtime.device import Device
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, TensorSpec, kv_tensor_index
+from staticlm.runtime.model import Model
+from staticlm.runtime.options import RunOptions
+from staticlm.runtime.rope import RopeTable
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class Traces:
 def window_rows(past: np.ndarray, max_rows: int) -> np.ndarray:
     """[T, n, D] -> [T, min(n, max_rows), D]: what a window of max_rows rows keeps of a longer past, the first
     row (the sink) and the newest rest. Every runtime window holds row 0 and attention leans on it: without it,
-    SmolLM2's residual peaks on long-conversation steps rose from a median 540 to 673."""
+    long-conversation steps reach residual peaks the runtime never sees, and widen the calibrated ranges."""
     n = past.shape[1]
     if n <= max_rows:
         return past
@@ -76,10 +81,7 @@ class _Recorder:
     """The float family on one sequence: what each step reads, and the KV and logits ranges of all it writes."""
 
     def __init__(self, float_dir: Path, *, max_past_rows: int | None) -> None:
-        from staticlm.runtime.device import Device, DeviceOptions
-        from staticlm.runtime.engine import Engine, EngineOptions
-
-        self.engine = Engine(float_dir, options=EngineOptions(device=DeviceOptions(device=Device.CPU)))
+        self.engine = Model.open(float_dir, RunOptions(device=Device.CPU), warm_up=False).engine
         self.chunk = max(self.engine.prefill_len, 1)
         self.room = self.engine.max_context - 1
         self.max_rows = max_past_rows or self.engine.max_context
@@ -187,9 +189,9 @@ def record_traces(float_dir: Path, prompt_ids: list[list[int]], *, max_steps: in
 def _long_conversation(rec: _Recorder, prompt_ids: list[list[int]], *, num_steps: int, max_new_tokens: int,
                        eos_ids: tuple[int, ...]) -> list[TraceStep]:
     """The prompts one after another in one cache, each answered greedily, round after round until the largest
-    context is full; a step every room / num_steps rows. Short chats alone reach position ~70, and positions
-    past them were out of range: on held-out text at positions 960-1970, 453 of SmolLM2's 2,943 activations
-    (RoPE'd queries, attention scores) left their calibrated ranges, by up to the whole range again."""
+    context is full; a step every room / num_steps rows. Short chats alone reach only early positions, and
+    calibrated on them alone, position-dependent activations (RoPE'd queries, attention scores) leave their
+    ranges at later positions."""
     rec.reset()
     every = max(1, rec.room // num_steps)
     steps: list[TraceStep] = []
@@ -218,9 +220,6 @@ class StepFeeds:
 
     def __init__(self, inputs: tuple[TensorSpec, ...], shape: GraphShape, *, num_kv_heads: int, head_dim: int,
                  rope_theta: float, max_positions: int, mask_value: float) -> None:
-        from staticlm.kv_manager import attention_bias
-        from staticlm.runtime.rope import RopeTable
-
         self.shape, self.mask_value = shape, mask_value
         self._bias = attention_bias
         self._rope = RopeTable(head_dim=head_dim, theta=rope_theta, max_positions=max_positions)
@@ -236,8 +235,8 @@ class StepFeeds:
         """The step's rows, then padding rows that repeat its last row exactly: the same token, position and
         mask row, so they compute that row's activations and add nothing to the calibrated ranges. The
         runtime's padding rows (the last token at the next positions, attending to each other) are dropped
-        after the run, but a calibrator sees them: in SmolLM2 such repeats reached 6,241 in the residual
-        stream against ~900 for real rows, a 7x coarser 16-bit step for every real token."""
+        after the run, but a calibrator sees them: in SmolLM2 such repeats reach residual values far beyond
+        real rows', which would coarsen the 16-bit step for every real token."""
         s, n = self.shape, step.position
         past = window_rows(step.past, s.past_len)
         ids = np.zeros((1, s.ar), np.int64)
@@ -266,8 +265,6 @@ class StepFeeds:
 
 def trace_reader(step_feeds: StepFeeds, steps: tuple[TraceStep, ...]):
     """An onnxruntime CalibrationDataReader over the steps that fit the graph (lazily: windows are large)."""
-    from onnxruntime.quantization import CalibrationDataReader
-
     class _Reader(CalibrationDataReader):
         def __init__(self) -> None:
             self._it = step_feeds.iterate(steps)

@@ -3,7 +3,7 @@
 Pipeline: export the float family to a scratch directory, record real decoding traces with it, derive the
 family-wide boundary parameters from those traces, quantize ONE template graph with ONNX Runtime's QNN
 tooling (boundary tensors pinned, calibrated on every recorded step), strip its boundary Q/DQ, move its
-quantized weights into the family's one weight file, and specialize it to every shape (qdq_template.py).
+quantized weights into the family's one weight file, and specialize it to every shape (template.py).
 The same template with its activation parameters calibrated on first tokens only gives the sink graph
 (see calibration.py).
 """
@@ -19,12 +19,22 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from staticlm.export.family import TOKENIZER_FILE, WEIGHTS_FILE, ExportError, ExportOptions, _replace_dir, export_family
-from staticlm.export.sources.load import LoadedModel
+from staticlm.export.family import (
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    ExportError,
+    ExportOptions,
+    export_family,
+    staged_family,
+)
+from staticlm.export.htp.options import QuantOptions
+from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
+from staticlm.runtime.chat_template import Message
 from staticlm.runtime.family.contract import IODtypes, graph_io
-from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256, load_manifest
-from staticlm.runtime.family.quant_params import FamilyQuant, Quant, QuantOptions, TensorQuant
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256
+from staticlm.runtime.family.quant_params import FamilyQuant, Quant, TensorQuant
+from staticlm.runtime.model import chat_format
 
 from . import gptq
 from .blocks import grid_overrides, grid_weights, to_block_weights
@@ -46,9 +56,9 @@ INLINE_LIMIT = 1024  # bytes; smaller initializers (activation scales, shapes) s
 
 
 # Calibration sees a few hundred steps; text it never saw reaches past their ranges, and a clipped K or V
-# row is wrong by the whole overshoot in every later step (measured on the tiny model: up to 22 % of the
-# range on unseen text). Headroom trades resolution for coverage: 2x costs one of 16 bits, 1.25x a third
-# of one of 8 bits. The same holds for logits, where a clipped top logit changes the argmax.
+# row is wrong by the whole overshoot in every later step. Headroom trades resolution for coverage: 2x costs
+# one of 16 bits, 1.25x a third of one of 8 bits. The same holds for logits, where a clipped top logit changes
+# the argmax.
 KV_HEADROOM = {"uint16": 2.0, "uint8": 1.25}
 LOGITS_HEADROOM = 1.5
 
@@ -77,7 +87,7 @@ def io_dtypes(fq: FamilyQuant) -> IODtypes:
 
 
 def _projection_weights(config) -> list[str]:
-    """The [in, out] MatMul weights of htp_graph.py, quantized per output channel (axis 1)."""
+    """The [in, out] MatMul weights of graph.py, quantized per output channel (axis 1)."""
     names = []
     for layer in range(config.num_layers):
         names += [f"l{layer}.q", f"l{layer}.o", f"l{layer}.gate_up", f"l{layer}.down"]
@@ -91,7 +101,7 @@ def _norm_weights(config) -> list[str]:
 
 def weight_overrides(quant: Quant, config) -> dict[str, list[dict]]:
     """Per-channel projection weights (one scale per output column): one outlier column no longer coarsens
-    the whole matrix (per-tensor 8-bit weights measured 80.6 % top-1 agreement on SmolLM2). The embedding
+    the whole matrix (per-tensor 8-bit weights cost SmolLM2 much of its top-1 agreement). The embedding
     is per-tensor (QNN's Gather reads one scale), so it takes 16 bits (below)."""
     from onnxruntime.quantization import QuantType
 
@@ -99,15 +109,15 @@ def weight_overrides(quant: Quant, config) -> dict[str, list[dict]]:
     # per-channel failed validation, "Failed to add fused Matmul node", and ran on the CPU EP).
     qtype = QuantType.QInt8 if quant is Quant.W8A16 else QuantType.QInt4
     out = {n: [{"quant_type": qtype, "symmetric": True, "axis": 1}] for n in _projection_weights(config)}
-    # The head is the single most sensitive weight: SmolLM2 w8a16 agreed with float on 93.7 % of 300 tokens with
-    # an 8-bit head and 95.7 % with a 16-bit one (float head: 95.7 %). HTP runs the 16 x 16-bit MatMul (checked
-    # on the emulator with CPU fallback off); it costs V x hidden more bytes (28 MB for SmolLM2).
+    # The head is the single most sensitive weight: an 8-bit head costs SmolLM2 w8a16 agreement with float that a
+    # 16-bit one does not (tests/test_htp.py::test_smollm2_w8a16_agreement). HTP runs the 16 x 16-bit MatMul
+    # (checked on the emulator with CPU fallback off); it costs V x hidden more bytes (28 MB for SmolLM2).
     out["lm_head_t"] = [{"quant_type": QuantType.QInt16, "symmetric": True, "axis": 1}]  # under w4a16 too
-    # One scale over the whole table leaves 8 bits too coarse for most rows: SmolLM2 w8a16 agreed with float on
-    # 96.3 % of 2,320 tokens with an 8-bit table and 96.7 % with a 16-bit one (+28 MB, a lookup's worth per token).
+    # One scale over the whole table leaves 8 bits too coarse for most rows: a 16-bit table agrees with float
+    # better (+V x hidden bytes, of which a token reads one row).
     out["embed"] = [{"quant_type": QuantType.QUInt16, "symmetric": False}]
-    # RMSNorm scales span orders of magnitude across channels; 8 bits per tensor flattened the small ones
-    # (2 % error at the first norm of SmolLM2). They are a few KB: keep them 16-bit.
+    # RMSNorm scales span orders of magnitude across channels; 8 bits per tensor flatten the small ones.
+    # They are a few KB: keep them 16-bit.
     for name in _norm_weights(config):
         out[name] = [{"quant_type": QuantType.QUInt16, "symmetric": False}]
     return out
@@ -139,21 +149,9 @@ class _SharedInitializers:
 
 def _prompt_ids(float_dir: Path, prompts: list[str]) -> tuple[list[list[int]], tuple[int, ...], tuple[int, ...]]:
     """Chat-template prompt ids, the EOS ids, and the first token of each bare prompt (varied sink steps)."""
-    from staticlm.runtime.chat import ChatSession, TemplateInfo
-    from staticlm.runtime.chat_template import Message
-    from staticlm.runtime.tokenizer import Tokenizer
-
-    m = load_manifest(float_dir)
-    st = m.special_tokens
-    tok = Tokenizer.from_file(float_dir / m.tokenizer_file, bos_token_id=st.bos_token_id,
-                              eos_token_ids=st.eos_token_ids, add_bos_token=st.add_bos_token)
-
-    class _Gen:  # ChatSession only needs the tokenizer to build prompt ids
-        tokenizer = tok
-
-    chat = ChatSession(_Gen(), TemplateInfo(m.chat_template, st.bos_token, st.eos_token))
-    bare = sorted({tok.encode(p, add_special_tokens=False)[0] for p in prompts if p})
-    return ([chat.prompt_ids([Message(role="user", content=p)]) for p in prompts], tuple(st.eos_token_ids),
+    fmt = chat_format(float_dir)
+    bare = sorted({fmt.tokenizer.encode(p, add_special_tokens=False)[0] for p in prompts if p})
+    return ([fmt.prompt_ids([Message(role="user", content=p)]) for p in prompts], fmt.tokenizer.eos_token_ids,
             tuple(bare))
 
 
@@ -192,7 +190,7 @@ def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, co
 def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq: FamilyQuant,
                         quant: QuantOptions, config, shared: _SharedInitializers,
                         rounded: dict[str, list[dict]] | None = None) -> _Template:
-    """A quantizer pass over the template graph (see qdq_template.py), calibrated on the recorded steps."""
+    """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps."""
     entry = template_entry(fm.graphs)
     pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
     float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
@@ -204,8 +202,8 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
                             quant=quant.quant, pinned=pinned,
                             weight_overrides={**weight_overrides(quant.quant, config), **grid, **(rounded or {})})
     proto = strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned)
-    # 4-bit weights of a float source go per block too (SmolLM2 as a float source, w4a16 top-1 agreement over
-    # 300 tokens: 46 % per channel, 63 % per block). 8-bit ones stay per channel, GPTQ-rounded (`rounded`).
+    # 4-bit weights of a float source go per block too: one 4-bit scale per channel costs far more agreement
+    # with float than one per block. 8-bit ones stay per channel, GPTQ-rounded (`rounded`).
     four_bit = quant.quant is Quant.W4A16
     float_blocks = frozenset(set(_projection_weights(config)) - set(on_grid)) if four_bit else frozenset()
     to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, bits=4 if four_bit else 8,
@@ -241,12 +239,12 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
                             prompts: list[str] | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
     """Write the quantized family into out_dir atomically; returns its manifest."""
     config, out_dir = model.config, Path(out_dir)
-    options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see htp_graph.py
+    options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see graph.py
     options.validate(config.max_positions)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     step = on_step or (lambda _name: None)
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.q.", dir=out_dir.parent))
-    try:
+    with staged_family(out_dir) as final, tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.q.",
+                                                                      dir=out_dir.parent) as scratch:
+        work = Path(scratch)
         float_dir = work / "float"
         fm = export_family(model, float_dir, options=options)
         step("float family")
@@ -255,16 +253,14 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
                                eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
                                max_past_rows=template_entry(fm.graphs).shape.past_len)
         fq = family_quant(traces, quant)
-        final = work / "family"
-        final.mkdir()
         if quant.quant is Quant.KV_ONLY:  # float weights, unchanged: the float family's file as it is
             shutil.copyfile(float_dir / WEIGHTS_FILE, final / WEIGHTS_FILE)
             weights_bytes, weights_sha = fm.weights_bytes, fm.weights_sha256
         else:
             writer = WeightFileWriter(final / WEIGHTS_FILE)
             shared = _SharedInitializers(writer)
-            # w8a16 only: w4a16 measured worse with it (SmolLM2, 300 tokens: 37 % vs 46 % agreement; each layer's
-            # own output error fell, but 4-bit layers feed the next ones inputs far from the float ones it is fit to)
+            # w8a16 only: w4a16 agreed with float less well with it (each layer's own output error fell, but 4-bit
+            # layers feed the next ones inputs far from the float ones it is fit to)
             rounded = (_gptq_overrides(float_dir, fm, traces.family_steps + traces.replay_steps, fq=fq, config=config)
                        if quant.quant is Quant.W8A16 else None)
             step("GPTQ")
@@ -297,9 +293,6 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
             extra={"target": "htp", "calib_steps": len(traces.steps), "calib_prompts": len(ids)})
         manifest.save(final)
         step("manifest")
-        _replace_dir(final, out_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .qdq import tensor_values
+
 # Of H's mean diagonal, added to it. The reference uses 0.01; on SmolLM2's recorded inputs 0.1 gave lower output
-# error on held-out rows at every layer tried (e.g. layer 15's gate_up, 8-bit: 0.62 vs 0.75; nearest 1.04).
+# error on held-out rows at every layer tried.
 DAMP = 0.1
 BLOCK = 128  # rows rounded together before their error reaches the rest (same result, fewer updates)
 
@@ -32,8 +34,6 @@ def hessians(float_path: Path, steps: Iterable[tuple[dict[str, np.ndarray], int]
              inputs: list[str]) -> dict[str, np.ndarray]:
     """X^T X of each named activation over the calibration steps: (feeds, number of real rows) each. Padding
     rows (a multi-row graph running a shorter step) are left out: they repeat a real row's token."""
-    from .qdq import tensor_values
-
     num_rows: list[int] = []
 
     def feeds():  # lazily: a step's feeds hold its whole KV window
@@ -63,7 +63,7 @@ def gptq(w: np.ndarray, h: np.ndarray, *, scales: np.ndarray, qmin: np.ndarray, 
 
     Rows are rounded in the order of their input's energy (diag H, largest first: the reference's act-order):
     the rows whose error costs most are rounded while every other row can still absorb it. On SmolLM2 w8a16
-    it moved top-1 agreement from 96.5 to 97.2 % (same Hessians)."""
+    it raised top-1 agreement with float over the stored order (same Hessians)."""
     order = np.argsort(-np.diag(h), kind="stable")
     return _gptq_in_order(w[order], h[np.ix_(order, order)], scales=scales, qmin=qmin, qmax=qmax)[np.argsort(order)]
 

@@ -1,6 +1,6 @@
-"""The Llama graph restructured for a quantized HTP family (the note's HW-aware transformation).
+"""The Llama graph restructured for a quantized HTP family: what the HTP backend runs well.
 
-Differences from llama_graph.LlamaGraph, each for a reason:
+Differences from export/graph/llama.py's LlamaGraph, each for a reason:
 - K and V are projected per KV head (one [hidden, D] weight each), so every `new_key_{l}_h{h}` is the
   output of its own RoPE Add and every `new_value_{l}_h{h}` of its own MatMul. A tensor made by a
   data-movement op (Split, Reshape) must share its producer's quantization parameters; a compute op's
@@ -29,7 +29,7 @@ HTP_OPSET = 21
 
 def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray) -> None:
     """An [in, out] projection; one exactly on a 4-bit block grid is stored as its symmetric part, block
-    offsets (source_grid.py), which HTPLlamaGraph.linear and qdq_blocks.py read."""
+    offsets (source_grid.py), which HTPLlamaGraph.linear and blocks.py read."""
     grid = block_grid(w)
     if grid is None:
         writer.add(name, w)
@@ -41,7 +41,7 @@ def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray) -> None:
 
 
 def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
-    """Like llama_graph.write_weights, but Q, each K head and each V head are separate [in, out] tensors."""
+    """Like export/graph/llama.py's write_weights, but Q, each K head and each V head are separate [in, out] tensors."""
     c, f32 = config, np.float32
     scale = 1.0 / np.sqrt(c.head_dim)  # folded into Wq, as in the float family
     # Tied or not, the head gets its own [hidden, V] table: quantized per vocab column it keeps the logits'

@@ -67,8 +67,8 @@ def through_data_movement(float_path: Path, pinned: dict[str, TensorQuant]) -> d
 
 
 # ONNX Runtime's MinMax calibration takes the exact extremes of the calibration steps. Text outside them
-# clips: on the tiny model a K projection reached 1.11x its calibrated maximum on the held-out text and came
-# out 12 % wrong. Widening every activation range costs log2(1.25) = 0.3 of 16 bits.
+# clips, and a clipped value is wrong by the whole overshoot. Widening every activation range costs
+# log2(1.25) = 0.3 of 16 bits.
 ACTIVATION_HEADROOM = 1.25
 MINIMUM_REAL_RANGE = 0.0001  # get_qnn_qdq_config's extra option MinimumRealRange (checked in quantize_graph)
 
@@ -113,7 +113,7 @@ def tensor_values(float_path: Path, names: list[str], feeds: Iterable[dict]) -> 
 def calibrated_ranges(float_path: Path, reader, names: list[str]) -> Ranges:
     """MinMax calibration of the named tensors as ORT's MinMaxCalibrater computes it (min and max over every
     step), every range widened. The calibrator's own graph augmentation inserts two nodes per tensor with a
-    linear search each (a third of SmolLM2's export time); listing the tensors as graph outputs and reducing
+    linear search each (quadratic in the graph's size); listing the tensors as graph outputs and reducing
     them in numpy gives the same ranges."""
     lo = {n: np.inf for n in names}
     hi = {n: -np.inf for n in names}
@@ -165,7 +165,8 @@ def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges,
     quantizer computes from `ranges` instead: same nodes, same weights, same pinned and fixed parameters.
 
     A second quantizer pass over other calibration steps differs from the first in exactly these numbers
-    (tests/test_htp.py compares the two) but costs minutes on SmolLM2, where this costs milliseconds. A
+    (tests/test_htp.py::test_sink_recalibration_equals_a_second_quantizer_pass compares the two) but repeats
+    the whole quantization, where this only recomputes parameters. A
     parameter is taken as calibrated only when it is not pinned (quantize_graph's pinned tensors, with
     through_data_movement) and the quantizer's formula on its `calibrated` range gives the value in the
     model; fixed-range outputs (Sigmoid, Softmax) and tensors sharing another tensor's parameters (Reshape)

@@ -2,11 +2,11 @@
 
 The graphs of a family are the same graph at different shapes: the same nodes with the same names, the
 same weights, and a handful of int64 shape constants (Reshape targets, Split sizes) that differ. ONNX
-Runtime's quantizer edits the graph in Python with linear scans per tensor (quadratic in the node count:
-minutes per SmolLM2 graph), so quantizing each of 20 graphs separately took over an hour. Quantizing one
-template and copying its Q/DQ structure onto each shape takes one quantizer pass, and it gives every
-graph the same activation parameters, which is also what one shared KV buffer and one set of host-side
-rope/mask/logits parameters want anyway.
+Runtime's quantizer edits the graph in Python with linear scans per tensor (quadratic in the node count),
+so quantizing each graph separately pays that cost once per shape. Quantizing one template and copying
+its Q/DQ structure onto each shape takes one quantizer pass, and it gives every graph the same activation
+parameters, which is also what one shared KV buffer and one set of host-side rope/mask/logits parameters
+want anyway.
 """
 from __future__ import annotations
 

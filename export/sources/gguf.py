@@ -10,7 +10,7 @@ from staticlm.runtime.family.config import ModelConfig, UnsupportedModel
 
 from .gguf_file import GGUFFile
 from .gguf_tokenizer import build_tokenizer
-from .load import LoadedModel, ModelSourceError, UnsupportedSource, required_weight_names
+from .model import LoadedModel, ModelSourceError, UnsupportedSource, required_weight_names
 
 # llama.cpp tensor suffix -> HF module path inside model.layers.{i}.
 _LAYER_NAMES = {

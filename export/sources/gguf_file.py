@@ -9,7 +9,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from .load import ModelSourceError
+from .model import ModelSourceError
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class GGUFFile:
             self.metadata: dict[str, Any] = {key: _value(field) for key, field in self._reader.fields.items()}
         except OSError as exc:
             raise ModelSourceError(f"cannot read GGUF file {path}: {_reason(exc)}") from None
-        except Exception as exc:  # the reader raises ValueError, struct/IndexError... on corrupt input
+        except Exception as exc:  # noqa: BLE001 -- the reader raises ValueError, struct/IndexError... on corrupt input
             raise ModelSourceError(f"{path} is not a valid GGUF file ({_reason(exc) or 'truncated'})") from None
         self._by_name = {t.name: t for t in self._reader.tensors}
         self.tensors = {t.name: TensorInfo(t.name, tuple(int(d) for d in reversed(t.shape.tolist())),

@@ -11,7 +11,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
-from .load import ModelSourceError
+from .model import ModelSourceError
 
 _CONTROL, _USER_DEFINED = 3, 4
 _CHATML_END = "<|im_end|>"

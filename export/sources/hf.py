@@ -16,7 +16,7 @@ import numpy as np
 
 from staticlm.runtime.family.config import ModelConfig, UnsupportedModel
 
-from .load import LoadedModel, ModelSourceError, UnsupportedSource, required_weight_names
+from .model import LoadedModel, ModelSourceError, UnsupportedSource, required_weight_names
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> graph architecture
 _DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from staticlm.errors import UserError
 
-class UnsupportedModel(ValueError):
+
+class UnsupportedModel(UserError, ValueError):
     """The source is readable but not a Llama-family model we can export."""
 
 

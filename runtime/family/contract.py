@@ -139,7 +139,7 @@ def in_place_graph_io(config: ModelConfig, shape: GraphShape, *, last_logits_onl
 
     The buffers' row count is the kv_manager's capacity (symbolic in the graph file); the manifest records the
     graph's context there. last_logits_only: logits [B, 1, V] of each sequence's last real row (a prompt
-    chunk needs no other; the head is a fifth of SmolLM2's weights, so scoring 64 rows costs ~20 % of a chunk).
+    chunk needs no other; the head is a fifth of SmolLM2's weights, so scoring every row is a large share of a chunk).
     """
     b, ar, d, hkv = shape.batch, shape.ar, config.head_dim, config.num_kv_heads
     inputs = [

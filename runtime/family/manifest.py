@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from staticlm.errors import UserError
+
 from .config import ModelConfig
 from .contract import GraphShape, KVLayout, Role, TensorSpec, num_kv_tensors
+from .quant_params import FamilyQuant, QuantParamsError
 
 MAGIC = "staticlm-family"
 # 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target)
@@ -17,14 +20,14 @@ READABLE_VERSIONS = (1, 2, 3)  # older families are still valid as written
 MANIFEST_NAME = "manifest.json"
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """The exported directory is missing, corrupt or from another format version."""
 
 
 class GraphKind(str, Enum):
     DECODE = "decode"  # AR = 1, P = S - 1
     PREFILL = "prefill"  # AR = N, P = S - N; also the verifier for speculative decoding
-    # AR = 1, only for the first token of a sequence (quantized families): see calibration.py, "sink"
+    # AR = 1, only for the first token of a sequence (quantized families): see export/htp/calibration.py, "sink"
     SINK = "sink"
 
 
@@ -99,8 +102,6 @@ class Manifest:
         """The family's FamilyQuant (boundary quantization parameters), or None for a float family."""
         if self.quantization is None:
             return None
-        from .quant_params import FamilyQuant
-
         return FamilyQuant.from_dict(self.quantization, num_kv_tensors=num_kv_tensors(self.model))
 
     @property
@@ -152,19 +153,18 @@ def _parse(d: dict) -> Manifest:
         kv_layout=KVLayout(d["kv_layout"]), kv_dtype=d["kv_dtype"], quantization=d.get("quantization"),
         source=d.get("source", ""), format_version=version, extra=d.get("extra") or {})
     if manifest.quantization is not None:
-        from .quant_params import QuantParamsError
-
         try:
             quant = manifest.quant
         except QuantParamsError as e:
             raise ManifestError(str(e)) from None
         if quant.kv_dtype != manifest.kv_dtype:
-            raise ManifestError(f"kv_dtype {manifest.kv_dtype} disagrees with the KV quantization type {quant.kv_dtype}")
+            raise ManifestError(f"kv_dtype {manifest.kv_dtype} disagrees with the KV quantization type "
+                                f"{quant.kv_dtype}")
     return manifest
 
 
-def load_manifest(directory: str | Path, *, verify_weights: bool = False) -> Manifest:
-    """Parse and check a family directory; every failure is one ManifestError line."""
+def read_manifest(directory: str | Path) -> Manifest:
+    """Parse a family's manifest.json without checking the files it lists; every failure is one ManifestError line."""
     directory = Path(directory)
     path = directory / MANIFEST_NAME
     if not directory.is_dir():
@@ -181,6 +181,13 @@ def load_manifest(directory: str | Path, *, verify_weights: bool = False) -> Man
         raise ManifestError(f"{path} is corrupt: bad or missing field {e}") from None
     if not manifest.graphs:
         raise ManifestError(f"{path} lists no graphs")
+    return manifest
+
+
+def load_manifest(directory: str | Path, *, verify_weights: bool = False) -> Manifest:
+    """Parse and check a family directory (every file present, graphs intact); one ManifestError line."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
     for name in (manifest.weights_file, manifest.tokenizer_file):
         if not (directory / name).is_file():
             raise ManifestError(f"{directory / name} is missing")

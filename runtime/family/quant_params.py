@@ -1,4 +1,4 @@
-"""Quantization choices and the parameters the host needs to talk to a quantized family.
+"""The parameters the host needs to talk to a quantized family.
 
 A quantized graph's boundary tensors are integers: the host quantizes what it feeds (rope, mask) and
 dequantizes what it reads (logits) with the parameters recorded here; KV bytes are never converted at all.
@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
+
+from staticlm.errors import UserError
 
 
 class Quant(str, Enum):
@@ -27,22 +29,8 @@ class KVBits(int, Enum):
         return "uint16" if self is KVBits.B16 else "uint8"
 
 
-class QuantParamsError(ValueError):
+class QuantParamsError(UserError, ValueError):
     """Quantization parameters that are missing or inconsistent."""
-
-
-@dataclass(frozen=True)
-class QuantOptions:
-    quant: Quant = Quant.W8A16
-    kv_bits: KVBits = KVBits.B16
-    calib_steps: int = 96  # recorded decoding steps (prefill chunks + decode tokens) used for calibration
-    mask_value: float = -100.0  # the masked level the quantized mask input represents (see quantized_mask)
-
-    def __post_init__(self) -> None:
-        if self.calib_steps < 1:
-            raise QuantParamsError(f"--calib-steps must be at least 1, got {self.calib_steps}")
-        if self.quant is Quant.FLOAT:
-            raise QuantParamsError("QuantOptions describe a quantized export; FLOAT has none")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,3 @@ class SharedWeights:
             # 4-bit weights are packed two per byte: no numpy view describes them, so ORT reads those itself.
             if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.data_type not in _PACKED:
                 options.add_initializer(tensor.name, self._value(tensor))
-
-    @property
-    def num_bytes(self) -> int:
-        return int(self._map.size)

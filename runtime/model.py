@@ -1,0 +1,123 @@
+"""One way to open a model: a family directory plus run options give the engine, tokenizer and chat format.
+
+Every front end (the CLI, the desktop app, the bench, calibration, the batch path) and the Python API open a
+model here, so a run option means the same everywhere.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from staticlm.errors import InvalidOption
+
+from .batch import BatchGenerator
+from .batch_speculative import BatchSpeculator
+from .chat import ChatFormat, ChatSession
+from .drafters import DraftModelDrafter, PromptLookupDrafter
+from .engine import Engine
+from .family.manifest import Manifest, load_manifest
+from .generator import Generator
+from .options import RunOptions
+from .speculate_options import SpeculateMode, SpeculateOptions
+from .speculative import DraftLength, Speculator
+from .tokenizer import Tokenizer
+
+
+def open_tokenizer(model_dir: str | Path, manifest: Manifest | None = None) -> Tokenizer:
+    """The family's tokenizer with its special tokens (manifest: when the caller has read it already)."""
+    m = manifest or load_manifest(model_dir)
+    st = m.special_tokens
+    return Tokenizer.from_file(Path(model_dir) / m.tokenizer_file, bos_token_id=st.bos_token_id,
+                               eos_token_ids=st.eos_token_ids, add_bos_token=st.add_bos_token)
+
+
+def chat_format(model_dir: str | Path, manifest: Manifest | None = None) -> ChatFormat:
+    """How the family's chat template turns messages into prompt ids (no engine needed)."""
+    m = manifest or load_manifest(model_dir)
+    return ChatFormat(tokenizer=open_tokenizer(model_dir, m), chat_template=m.chat_template,
+                      bos_token=m.special_tokens.bos_token, eos_token=m.special_tokens.eos_token)
+
+
+class Model:
+    """An exported family, opened: `engine` (graphs and KV), `tokenizer`, `format` (the chat template) and
+    `generator`, the token-level loop (append_tokens, generate_next_token, rewind_to) with the options' speculation.
+
+        model = Model.open("path/to/family", RunOptions(temperature=0.7))
+        chat = model.chat()
+        for text in chat.send("Hello!"):
+            print(text, end="")
+    """
+
+    def __init__(self, engine: Engine, *, options: RunOptions) -> None:
+        self.engine, self.options = engine, options
+        self.format = chat_format(engine.model_dir, engine.manifest)
+        self.tokenizer = self.format.tokenizer
+        # One engine holds one KV cache, so it has one Generator (whose token list mirrors that cache): every
+        # chat and the token-level API share it, and each request rewinds to what it has in common with the cache.
+        self.generator = Generator(engine, self.tokenizer)
+        self.generator.speculator = self._speculator(num_sequences=1)
+
+    @classmethod
+    def open(cls, model_dir: str | Path | None = None, options: RunOptions | None = None, *,
+             warm_up: bool = True) -> Model:
+        """model_dir overrides options.model_dir; one of them must name a family."""
+        options = options or RunOptions()
+        model_dir = model_dir if model_dir is not None else options.model_dir
+        if model_dir is None:
+            raise InvalidOption("no model directory: pass one (staticlm export writes it)")
+        options = options.replace(model_dir=model_dir)
+        check_draft_model(options.speculate_options())
+        engine = Engine(options.model_dir, options=options.engine_options())
+        if warm_up:
+            engine.warm_up()
+        return cls(engine, options=options)
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.engine.manifest
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def chat(self, *, system_prompt: str | None = None) -> ChatSession:
+        """A conversation; system_prompt defaults to the options' one."""
+        return ChatSession(self.generator, self.format, params=self.options.generation_params(),
+                           system_prompt=system_prompt if system_prompt is not None
+                           else self.options.system_prompt_or_none)
+
+    def batch(self, num_responses: int) -> BatchGenerator:
+        """Several responses to one prompt, decoded together in the batched graphs."""
+        return BatchGenerator(self.engine, self.tokenizer, num_responses=num_responses,
+                              speculator=self._speculator(num_sequences=num_responses))
+
+    def _speculator(self, *, num_sequences: int) -> Speculator | BatchSpeculator | None:
+        """A draft model must share the target's tokenizer; one drafter per sequence (a draft model keeps
+        per-sequence KV), all draft engines on one weight mapping."""
+        spec = self.options.speculate_options()
+        if spec.mode is SpeculateMode.NONE:
+            return None
+        length = DraftLength(initial=spec.fixed_length, fixed=True) if spec.fixed_length else DraftLength()
+        if spec.mode is SpeculateMode.LOOKUP:
+            drafters = [PromptLookupDrafter()] * num_sequences  # stateless: one serves every sequence
+        else:
+            first = Engine(spec.draft_dir, options=self.engine.options)
+            if first.manifest.model.vocab_size != self.manifest.model.vocab_size or \
+                    _tokenizer_bytes(first) != _tokenizer_bytes(self.engine):
+                raise InvalidOption(f"the draft model {spec.draft_dir} does not share the target's tokenizer")
+            engines = [first] + [Engine(spec.draft_dir, options=first.options, weights_from=first)
+                                 for _ in range(num_sequences - 1)]
+            drafters = [DraftModelDrafter(e, self.tokenizer) for e in engines]
+        if num_sequences > 1:
+            return BatchSpeculator(drafters, length=length)
+        return Speculator(drafters[0], length=length)
+
+
+def check_draft_model(spec: SpeculateOptions) -> None:
+    """Refuse a missing draft model before anything loads, naming it as the draft."""
+    if spec.mode is SpeculateMode.DRAFT and not (Path(spec.draft_dir) / "manifest.json").is_file():
+        raise InvalidOption(f"the draft model {spec.draft_dir} (--speculate draft:DIR) is not an exported "
+                            "family: export one with staticlm export --draft-layers K --out DIR")
+
+
+def _tokenizer_bytes(engine: Engine) -> bytes:
+    return (engine.model_dir / engine.manifest.tokenizer_file).read_bytes()

@@ -1,0 +1,226 @@
+"""The run options, declared once.
+
+Each field of `RunOptions` carries its type, default, choices, range and help. The CLI builds the flags of
+every command that runs a model from these fields (apps/cli.py), the desktop app its settings and their saved
+form (apps/gui/settings.py), and `Model.open` the engine, generator and chat from them (runtime/model.py).
+A front end that differs in a default (a chat window samples, the CLI is greedy) says so here, in the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from staticlm.errors import InvalidOption
+from staticlm.kv_manager import Overflow, Strategy
+
+from .device import DEFAULT_SOC_MODEL, Device, DeviceOptions
+from .engine import EngineOptions
+from .generator import GenerationParams
+from .sampling import SamplingParams
+from .speculate_options import SpeculateOptions
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+SAME = object()  # an app_default equal to the CLI's
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """What a front end needs to offer one option: its flag, help and limits."""
+
+    help: str
+    flag: str | None = None  # default: --field-name
+    low: float | None = None  # inclusive lower bound
+    low_exclusive: bool = False
+    high: float | None = None  # inclusive upper bound
+    reloads: bool = False  # the engine is built from it: changing it reopens the model
+    app_default: Any = SAME  # the desktop app's default, where it differs
+
+
+def option(default: Any, help: str, **spec: Any) -> Any:
+    return field(default=default, metadata={"option": OptionSpec(help=help, **spec)})
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    # -- the model and where it runs (changing one reopens the model) ----------------------------------
+    model_dir: Path | None = option(None, "exported model directory (default: the embedded SmolLM2)",
+                                    flag="--model", reloads=True)
+    device: Device = option(Device.AUTO, "auto, cpu or htp (a Qualcomm NPU through QNN)", reloads=True)
+    num_threads: int | None = option(None, "CPU threads (default: physical cores)", flag="--threads", low=1,
+                                     reloads=True)
+    soc_model: str = option(DEFAULT_SOC_MODEL, "QNN SoC model for htp (57: Snapdragon 8 Gen 3)", reloads=True)
+    kv_strategy: Strategy = option(Strategy.POINTER, "window graphs: pointer, shift, concat or bmc; in-place "
+                                   "graphs (the cpu target's default) use in_place, their only strategy",
+                                   reloads=True)
+    kv_reserve: float = option(2.0, "KV buffer rows as a multiple of S-1", low=1.0, low_exclusive=True, high=8.0,
+                               reloads=True)
+    overflow: Overflow = option(Overflow.ERROR, "when the context is full: error, or slide out the oldest tokens",
+                                flag="--on-overflow", reloads=True, app_default=Overflow.SLIDE)
+    bmc_r: int | None = option(None, "window graphs: rows a BMC ladder rung grows by (default: from the host's "
+                               "measured rates, see staticlm bench)", low=1, reloads=True)
+    prepack: bool = option(False, "let batched, verify and prefill graphs keep repacked weights: faster, one "
+                           "weight copy each", reloads=True)
+    speculate: str = option("none", "speculative decoding: none, lookup or draft:DIR", reloads=True)
+    draft_len: int | None = option(None, "fixed draft length (default: BASS's dynamic one)", low=1, reloads=True)
+    # -- each answer -----------------------------------------------------------------------------------
+    max_new_tokens: int = option(256, "most tokens an answer may have", low=1, app_default=512)
+    temperature: float = option(0.0, "0 = greedy", low=0.0, app_default=0.7)
+    top_k: int = option(0, "keep the k likeliest tokens (0: off)", low=0)
+    top_p: float = option(1.0, "keep the smallest set of tokens whose mass reaches p", low=0.0,
+                          low_exclusive=True, high=1.0, app_default=0.9)
+    min_p: float = option(0.0, "drop tokens below min_p x the likeliest token's probability", low=0.0)
+    repetition_penalty: float = option(1.0, "divide the logits of tokens already seen (CTRL-style)", low=0.0,
+                                       low_exclusive=True, app_default=1.1)
+    seed: int | None = option(None, "seed of the sampler (default: a fresh one)")
+    stop: tuple[str, ...] = option((), "stop string (repeatable)")
+    ignore_eos: bool = option(False, "keep decoding to --max-new-tokens (benchmarks)")
+    system_prompt: str | None = option(None, "system prompt", flag="--system", app_default=DEFAULT_SYSTEM_PROMPT)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = _coerce(f, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+            _check_range(f, value)
+        SpeculateOptions.parse(self.speculate, fixed_length=self.draft_len)
+
+    # -- what the runtime is built from ----------------------------------------------------------------
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(device=DeviceOptions(device=self.device, num_threads=self.num_threads,
+                                                  soc_model=self.soc_model),
+                             kv_strategy=self.kv_strategy, kv_reserve=self.kv_reserve, overflow=self.overflow,
+                             bmc_r=self.bmc_r, prepack=self.prepack)
+
+    def speculate_options(self) -> SpeculateOptions:
+        return SpeculateOptions.parse(self.speculate, fixed_length=self.draft_len)
+
+    def generation_params(self) -> GenerationParams:
+        return GenerationParams(
+            max_new_tokens=self.max_new_tokens, stop_strings=self.stop, ignore_eos=self.ignore_eos,
+            sampling=SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                    min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed))
+
+    @property
+    def system_prompt_or_none(self) -> str | None:
+        return (self.system_prompt or "").strip() or None
+
+    def needs_reload(self, other: RunOptions) -> bool:
+        """Whether going from self to other changes an option the engine is built from."""
+        return any(getattr(self, f.name) != getattr(other, f.name) for f in reload_fields())
+
+    def replace(self, **changes: Any) -> RunOptions:
+        return dataclasses.replace(self, **changes)
+
+    # -- the desktop app's defaults and saved form ------------------------------------------------------
+    @classmethod
+    def app_defaults(cls) -> RunOptions:
+        return cls(**{f.name: spec(f).app_default for f in dataclasses.fields(cls)
+                      if spec(f).app_default is not SAME})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: enums by value, paths as text."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, base: RunOptions | None = None) -> RunOptions:
+        """base (default: the app's defaults) with the values of data on top; unknown keys are ignored, and a
+        value that is ill-typed or out of range keeps base's, one field at a time."""
+        if not isinstance(data, dict):
+            raise InvalidOption("run options must be a JSON object")
+        options = base or cls.app_defaults()
+        for f in dataclasses.fields(cls):
+            if f.name in data:
+                try:
+                    options = dataclasses.replace(options, **{f.name: data[f.name]})
+                except (InvalidOption, TypeError, ValueError):
+                    continue
+        return options
+
+
+def spec(f: dataclasses.Field) -> OptionSpec:
+    return f.metadata["option"]
+
+
+def run_option_fields() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(RunOptions)
+
+
+def reload_fields() -> tuple[dataclasses.Field, ...]:
+    return tuple(f for f in run_option_fields() if spec(f).reloads)
+
+
+def flag(f: dataclasses.Field) -> str:
+    return spec(f).flag or "--" + f.name.replace("_", "-")
+
+
+def value_type(f: dataclasses.Field) -> type:
+    """The field's type without Optional: int, float, str, bool, Path, an Enum, or tuple (of str)."""
+    hint = typing.get_type_hints(RunOptions)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return tuple
+    return args[0] if args else hint
+
+
+def is_optional(f: dataclasses.Field) -> bool:
+    return type(None) in typing.get_args(typing.get_type_hints(RunOptions)[f.name])
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    """A value from the command line, a settings file or Python, as the field's type (or InvalidOption)."""
+    kind, name = value_type(f), flag(f)
+    if value is None or (value == "" and kind is Path):
+        if not is_optional(f):
+            raise InvalidOption(f"{name} needs a value")
+        return None
+    if issubclass(kind, Enum):
+        try:
+            return kind(value.lower() if isinstance(value, str) else value)
+        except ValueError:
+            raise InvalidOption(f"unknown {f.name.replace('_', ' ')} {value!r} ({name}): choose one of "
+                                f"{', '.join(str(k.value) for k in kind)}") from None
+    if kind is tuple:
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            raise InvalidOption(f"{name} takes a list of strings, got {value!r}")
+        return tuple(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise InvalidOption(f"{name} is on or off, got {value!r}")
+        return value
+    if kind is Path:
+        return Path(value).expanduser()
+    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise InvalidOption(f"{name} takes a number, got {value!r}")
+    if kind is int and value != int(value):
+        raise InvalidOption(f"{name} takes a whole number, got {value!r}")
+    return kind(value)
+
+
+def _check_range(f: dataclasses.Field, value: Any) -> None:
+    s = spec(f)
+    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if isinstance(value, float) and math.isnan(value):
+        raise InvalidOption(f"{flag(f)} must be a number, got nan")
+    low_ok = s.low is None or (value > s.low if s.low_exclusive else value >= s.low)
+    high_ok = s.high is None or value <= s.high
+    if not (low_ok and high_ok):
+        low = "" if s.low is None else ("(" if s.low_exclusive else "[") + f"{s.low:g}"
+        high = "" if s.high is None else f"{s.high:g}]"
+        bound = f"in {low}, {high}" if s.low is not None and s.high is not None else \
+            (f"> {s.low:g}" if s.low_exclusive else f">= {s.low:g}") if s.high is None else f"<= {s.high:g}"
+        raise InvalidOption(f"{flag(f)} must be {bound}, got {value}")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value

@@ -1,0 +1,151 @@
+"""The shape of the code: imports run one way (apps -> export -> runtime -> kv_manager), and no import hides a cycle.
+
+Every module of the package is read with `ast` (nothing is imported). An import inside a function counts like one
+at the top of the module: a function-level import that exists to dodge a cycle closes that cycle here and fails.
+Imports under `if TYPE_CHECKING:` are for annotations only and never run, so they are left out.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "staticlm"
+LAYERS = {"kv_manager": 0, "runtime": 1, "export": 2, "apps": 3}  # a module may import its own layer and below
+BASE = {f"{PACKAGE}.errors"}  # imported by every layer, imports nothing of ours
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", ".venv", "build") or rel.parts[0].startswith("."):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join([PACKAGE, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def _in_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return True
+    return False
+
+
+def imports_of(module: str) -> list[tuple[str, bool]]:
+    """(imported module of ours, whether inside a function) for every import that runs."""
+    tree = ast.parse(MODULES[module].read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or _type_checking_only(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import name` imports pkg.name when that is a module, else pkg itself
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        inside = _in_function(node, parents)
+        found += [(t, inside) for t in targets if t == PACKAGE or t.startswith(PACKAGE + ".")]
+    return found
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_import_of_ours_names_a_module_that_exists():
+    missing = [(m, t) for m in MODULES for t, _ in imports_of(m) if t not in MODULES]
+    assert not missing
+
+
+def test_imports_run_one_way():
+    """runtime and kv_manager never import export or apps; export never imports apps; nothing imports upward."""
+    upward = []
+    for module in MODULES:
+        for target, _ in imports_of(module):
+            if target in BASE:
+                continue
+            source_layer, target_layer = _layer(module), _layer(target)
+            if source_layer is not None and (target_layer is None or target_layer > source_layer):
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports against the one direction (apps -> export -> runtime -> kv_manager):\n" + \
+        "\n".join(upward)
+    for module in BASE:
+        assert not imports_of(module), f"{module} is the base every layer imports: it imports nothing of ours"
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    graph = {m: {t for t, _ in imports_of(m) if t in MODULES and t != m} for m in MODULES}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (an import inside a function counts):\n" + \
+        "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_package_lists_every_folder_that_ships():
+    """pyproject names packages one by one (the root is the package): a folder left out would not install."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {m for m in MODULES if _is_package(m)}
+    assert set(config["packages"]) == packages
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
