@@ -1,4 +1,5 @@
-"""The staticlm home: where the default model, the settings and the conversations live (STATICLM_HOME moves it)."""
+"""The staticlm home: where the default model's families, the settings and the conversations live
+(STATICLM_HOME moves it)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ from pathlib import Path
 from platformdirs import user_data_dir
 
 DEFAULT_MODEL = "smollm2-135m"
+TARGETS = ("float", "cpu", "htp")  # the export targets, each a family of the default model of its own
 
 
 def home() -> Path:
@@ -14,5 +16,5 @@ def home() -> Path:
     return Path(env) if env else Path(user_data_dir("staticlm"))
 
 
-def default_model_dir() -> Path:
-    return home() / "models" / DEFAULT_MODEL
+def default_model_dir(target: str) -> Path:
+    return home() / "models" / f"{DEFAULT_MODEL}-{target}"

@@ -1,30 +1,56 @@
-"""How a front end opens a model: the one the options name, or the embedded default, exported on first use."""
+"""How a front end opens a model: the family the options name, or the embedded default model exported for this
+machine on first use (`--target cpu` on a CPU-only host, `--target htp` where the QNN EP reports an NPU)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from staticlm.apps.commands.export import run_export
-from staticlm.apps.home import DEFAULT_MODEL, default_model_dir
-from staticlm.runtime.family.manifest import MANIFEST_NAME
+from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
+from staticlm.runtime.batch import batch_rows
+from staticlm.runtime.device import npu_available
+from staticlm.runtime.family.manifest import MANIFEST_NAME, read_manifest
 from staticlm.runtime.model import Model, check_draft_model
 from staticlm.runtime.options import RunOptions
 
 
-def ensure_default_model(*, quiet: bool = False) -> Path:
-    """Export the embedded default model once, the first time anything needs it."""
-    target = default_model_dir()
-    if (target / MANIFEST_NAME).is_file():
-        return target
+def default_target() -> str:
+    """The export that runs fastest here: the NPU's quantized family, else the CPU's int4 one (the float family
+    is the accuracy reference, `--model float`)."""
+    return "htp" if npu_available() else "cpu"
+
+
+def ensure_default_model(target: str | None = None, *, quiet: bool = False,
+                         on_progress: Callable[[str, int, int], None] | None = None) -> Path:
+    """The default model's family for target (default: this machine's), exported the first time it is needed."""
+    target = target or default_target()
+    out = default_model_dir(target)
+    if (out / MANIFEST_NAME).is_file():
+        return out
     if not quiet:
-        print(f"First run: exporting the default model ({DEFAULT_MODEL}) to {target}", file=sys.stderr)
-    run_export(model=DEFAULT_MODEL, out_dir=target, contexts=None, prefill_len=None, quiet=quiet)
-    return target
+        print(f"First run: exporting the default model ({DEFAULT_MODEL}, --target {target}) to {out}",
+              file=sys.stderr)
+    run_export(model=DEFAULT_MODEL, out_dir=out, target=target, quiet=quiet, on_progress=on_progress)
+    return out
 
 
-def open_model(options: RunOptions) -> Model:
-    """The model the options name, or the default one (exported first if need be). Every option has been
-    checked by now (RunOptions checks its fields when made), and a missing draft model is refused before the
-    possibly minutes-long first-run export."""
+def resolve_model_dir(model_dir: Path | None, **export_options) -> Path:
+    """model_dir, or the default model's family: this machine's without one, the named target's for a bare
+    `float`, `cpu` or `htp` that is not a directory here."""
+    if model_dir is None:
+        return ensure_default_model(**export_options)
+    if str(model_dir) in TARGETS and not model_dir.exists():
+        return ensure_default_model(str(model_dir), **export_options)
+    return model_dir
+
+
+def open_model(options: RunOptions, *, num_responses: int = 1) -> Model:
+    """The model the options name (see resolve_model_dir). Every option has been checked by now (RunOptions
+    checks its fields when made); a missing draft model is refused before the possibly minutes-long first-run
+    export, and a family that cannot give num_responses before it loads."""
     check_draft_model(options.speculate_options())
-    return Model.open(options.model_dir or ensure_default_model(), options)
+    model_dir = resolve_model_dir(options.model_dir)
+    if num_responses > 1:
+        batch_rows(read_manifest(model_dir).batch_sizes, num_responses, model_dir=model_dir)
+    return Model.open(model_dir, options)

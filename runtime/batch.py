@@ -29,35 +29,64 @@ class Response:
     last_token_s: float
 
 
+def batch_rows(batch_sizes: tuple[int, ...], num_responses: int, *, model_dir: object) -> int:
+    """The exported batch size that serves num_responses: the smallest that holds them all in one round (its other
+    rows stay idle), else the largest, in several rounds."""
+    sizes = sorted(b for b in batch_sizes if b > 1)
+    if not sizes:
+        raise InvalidOption(f"{model_dir} has no batched graphs for several responses: export it with --batch-sizes")
+    return next((b for b in sizes if b >= num_responses), sizes[-1])
+
+
 class BatchGenerator:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, num_responses: int, speculator=None) -> None:
-        if num_responses < 2:
-            raise InvalidOption(f"--num-responses must be >= 2 for a batch, got {num_responses}")
+    """num_rows: the batched graphs' batch size (see batch_rows); any number of responses runs on them."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, num_rows: int, speculator=None) -> None:
         self.engine, self.tokenizer = engine, tokenizer
-        self.batch = Engine(engine.model_dir, options=engine.options, batch=num_responses, weights_from=engine)
+        self.batch = Engine(engine.model_dir, options=engine.options, batch=num_rows, weights_from=engine)
         self.speculator = speculator  # a BatchSpeculator, or None
         if speculator is not None and not self.batch.verify_lens:
-            raise InvalidOption(f"{engine.model_dir} has no batched verify graphs for {num_responses} responses: "
-                                f"export it with --batch-sizes {num_responses}")
+            raise InvalidOption(f"{engine.model_dir} has no batched verify graphs for {num_rows} rows: "
+                                f"export it with --batch-sizes {num_rows}")
         self.rng = np.random.default_rng()
 
-    def generate(self, prompt_ids: list[int], params: GenerationParams, *,
+    def generate(self, prompt_ids: list[int], params: GenerationParams, *, num_responses: int | None = None,
                  on_text: Callable[[int, str], None] = lambda seq, text: None,
                  should_stop: Callable[[], bool] = lambda: False) -> list[Response]:
+        """num_responses answers (default: one per row), in rounds of the graphs' rows; the prompt is prefilled
+        once and copied into the rows once per round."""
+        num_responses = self.batch.batch if num_responses is None else num_responses
+        if num_responses < 1:
+            raise InvalidOption(f"--num-responses must be >= 1, got {num_responses}")
         if not prompt_ids:
             raise InvalidOption("the prompt is empty")
         if params.sampling.seed is not None:
             self.rng = np.random.default_rng(params.sampling.seed)
         t0 = time.perf_counter()
-        num = self.batch.batch
         self.engine.reset()
         logits = self.engine.prefill(prompt_ids)
+        responses: list[Response] = []
+        while len(responses) < num_responses:
+            first = len(responses)
+            num_active = min(self.batch.batch, num_responses - first)
+            responses += self._round(logits, prompt_ids, params, num_active=num_active, t0=t0,
+                                     on_text=lambda seq, text, first=first: on_text(first + seq, text),
+                                     should_stop=should_stop)
+            if any(r.finish_reason is FinishReason.CANCELLED for r in responses):
+                break
+        return responses
+
+    def _round(self, logits: np.ndarray, prompt_ids: list[int], params: GenerationParams, *, num_active: int,
+               t0: float, on_text: Callable[[int, str], None], should_stop: Callable[[], bool]) -> list[Response]:
+        """One round: the first num_active rows answer, the rest stay idle (they commit nothing)."""
+        num = self.batch.batch
         self.batch.load_prefix(self.engine)
-        streams = [TextStream(self.tokenizer, params) for _ in range(num)]
+        streams = [TextStream(self.tokenizer, params) for _ in range(num_active)]
         # Per sequence, tokens to show: all but the last are already in the cache; the last is pending.
-        fresh = [[sample(logits, params.sampling, rng=self.rng, history=prompt_ids)] for _ in range(num)]
-        last = np.zeros(num, np.int64)  # [B] the pending tokens
-        active = np.ones(num, bool)
+        fresh = [[sample(logits, params.sampling, rng=self.rng, history=prompt_ids)] for _ in range(num_active)]
+        fresh += [[] for _ in range(num - num_active)]
+        last = np.full(num, prompt_ids[-1], np.int64)  # [B] the pending tokens (idle rows: the prompt's last)
+        active = np.arange(num) < num_active  # [B]
         while True:
             now = time.perf_counter() - t0
             for seq in np.flatnonzero(active).tolist():
@@ -85,11 +114,11 @@ class BatchGenerator:
               params: GenerationParams) -> list[list[int]]:
         """One batched call: a verify step when speculation runs and pays, else one decode step."""
         if self.speculator is not None:
-            contexts = [prompt_ids + s.ids for s in streams]
+            contexts = [prompt_ids + s.ids for s in streams] + [prompt_ids] * (len(active) - len(streams))
             fresh = self.speculator.step(self.batch, last, active=active, contexts=contexts, params=params.sampling,
                                          rng=self.rng)
             if fresh is not None:
                 return fresh
         out = self.batch.decode_batch(last, active=active)  # [B, V]
         return [[sample(out[seq], params.sampling, rng=self.rng, history=prompt_ids + streams[seq].ids)]
-                if active[seq] else [] for seq in range(len(streams))]
+                if active[seq] else [] for seq in range(len(active))]

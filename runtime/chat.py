@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from staticlm.errors import InvalidOption
+from staticlm.kv_manager import ContextFull, Overflow
 
 from .chat_template import Message, render_chat
 from .generator import FinishReason, GenerationParams, GenerationResult, Generator
@@ -29,6 +30,34 @@ class ChatFormat:
         text = "".join(f"{m.role}: {m.content}\n" for m in full) + "assistant: "
         return self.tokenizer.encode(text, add_special_tokens=True)
 
+    def fitted_prompt_ids(self, messages: list[Message], *, system_prompt: str | None,
+                          max_tokens: int) -> tuple[list[int], int]:
+        """Prompt ids of at most max_tokens, and how many tokens were dropped to get there: the oldest messages go
+        first (never the last one), then the start of the last message's text. The template's head (its system
+        prompt) and the assistant header at the end stay, so a long document followed by a question keeps the
+        question."""
+        ids = self.prompt_ids(messages, system_prompt=system_prompt)
+        num_full, messages = len(ids), list(messages)
+        while len(ids) > max_tokens and len(messages) > 1:
+            messages = messages[1:]
+            ids = self.prompt_ids(messages, system_prompt=system_prompt)
+        if len(ids) > max_tokens:
+            *rest, last = messages
+            content = self.tokenizer.encode(last.content, add_special_tokens=False)
+
+            def with_tail(num_kept: int) -> list[int]:
+                tail = self.tokenizer.decode(content[len(content) - num_kept:]) if num_kept else ""
+                return self.prompt_ids([*rest, Message(role=last.role, content=tail)], system_prompt=system_prompt)
+
+            low, high = 0, len(content)  # the most content tokens that fit: binary search, a few renders
+            while low < high:
+                mid = (low + high + 1) // 2
+                low, high = (mid, high) if len(with_tail(mid)) <= max_tokens else (low, mid - 1)
+            ids = with_tail(low)
+            if len(ids) > max_tokens:
+                raise ContextFull(f"the chat template alone takes {len(ids)} tokens; the context holds {max_tokens}")
+        return ids, num_full - len(ids)
+
 
 class ChatSession:
     """params: what an answer uses when a call passes none (the model's run options)."""
@@ -40,6 +69,7 @@ class ChatSession:
         self.params = params or GenerationParams()
         self.messages: list[Message] = []
         self.last_result: GenerationResult | None = None
+        self.prompt_tokens_dropped = 0  # of the last prompt, longer than the context (slide overflow only)
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         return self.format.prompt_ids(messages, system_prompt=self.system_prompt)
@@ -61,10 +91,19 @@ class ChatSession:
     def _answer(self, messages: list[Message], params: GenerationParams | None,
                 should_stop: Callable[[], bool]) -> Iterator[str]:
         # Render before touching state: a prompt that cannot be built leaves the conversation as it was.
+        params = params or self.params
         ids = self.prompt_ids(messages)
+        self.prompt_tokens_dropped = 0
+        engine = self.generator.engine
+        if len(ids) > engine.max_context and engine.options.overflow is Overflow.SLIDE:
+            # Longer than the whole context: sliding it through would keep only its end, template head lost. Fit
+            # it instead, with room for the answer. (A long conversation slides as it grows, and stays cached.)
+            room = engine.max_context - min(params.max_new_tokens, engine.max_context // 4)
+            ids, self.prompt_tokens_dropped = self.format.fitted_prompt_ids(messages, system_prompt=self.system_prompt,
+                                                                            max_tokens=room)
         pieces: list[str] = []
         try:
-            for chunk in self.generator.stream(ids, params or self.params, should_stop=should_stop):
+            for chunk in self.generator.stream(ids, params, should_stop=should_stop):
                 pieces.append(chunk)
                 yield chunk
         except KeyboardInterrupt:

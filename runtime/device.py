@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -14,7 +16,7 @@ import psutil
 from staticlm.errors import UserError
 
 from . import qnn_context
-from .family.manifest import read_manifest
+from .family.manifest import Manifest, read_manifest
 
 QNN_EP = "QNNExecutionProvider"
 # SM8650 (Snapdragon 8 Gen 3); the x86_64 HTP emulator needs an explicit SoC to finalize graphs.
@@ -38,15 +40,23 @@ class DeviceOptions:
     soc_model: str = DEFAULT_SOC_MODEL
 
 
-def parse_device(name: str) -> Device:
-    try:
-        return Device(name.lower())
-    except ValueError:
-        raise DeviceError(f"unknown device {name!r}: choose one of auto, cpu, htp") from None
-
-
 def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+@contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """The QNN libraries print notes on the process's stdout (file descriptor 1), where a command's result goes
+    (`--json`): while they load and compile, descriptor 1 points at stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _qnn_module():
@@ -67,7 +77,8 @@ def qnn_ep_devices() -> list:
     qnn = _qnn_module()
     if not _registered:
         try:
-            ort.register_execution_provider_library(QNN_EP, qnn.get_library_path())
+            with native_stdout_to_stderr():
+                ort.register_execution_provider_library(QNN_EP, qnn.get_library_path())
         except Exception as e:  # noqa: BLE001 -- ORT's errors (Fail, ...) derive from Exception alone
             raise DeviceError(f"could not register the QNN execution provider: {str(e).splitlines()[0]}") from None
         _registered = True
@@ -81,10 +92,14 @@ def npu_available() -> bool:
         return False
 
 
-def resolve_device(device: Device) -> Device:
-    """auto picks HTP only where a real NPU is reported (the x86_64 emulator reports a CPU)."""
+def resolve_device(device: Device, *, family: Manifest, model_dir: Path) -> Device:
+    """auto picks HTP for a family HTP runs (Manifest.runs_on_htp) where a real NPU is reported (the x86_64
+    emulator reports a CPU), else the CPU. htp on any other family is refused before a session exists."""
     if device is Device.AUTO:
-        return Device.HTP if npu_available() else Device.CPU
+        return Device.HTP if family.runs_on_htp and npu_available() else Device.CPU
+    if device is Device.HTP and not family.runs_on_htp:
+        raise DeviceError(f"--device htp runs an HTP family (staticlm export --target htp); {model_dir} is a "
+                          f"{family.precision} family, whose float activations overflow the HTP's fp16")
     return device
 
 
@@ -137,7 +152,8 @@ def compile_shared_context(model_dir: Path, *, options: DeviceOptions,
         for k, v in qnn_context.compile_entries(f, ctx, group=True, last=i == len(files) - 1).items():
             so.add_session_config_entry(k, v)
         try:
-            ort.InferenceSession(str(f), sess_options=so)
+            with native_stdout_to_stderr():
+                ort.InferenceSession(str(f), sess_options=so)
         except BaseException as e:  # Ctrl-C included: no half-compiled group is left behind
             shutil.rmtree(tmp, ignore_errors=True)
             if not isinstance(e, Exception):
@@ -193,7 +209,8 @@ def _create_htp_session(path: Path, *, options: DeviceOptions, cache_dir: Path |
                 for k, v in qnn_context.compile_entries(path, ctx).items():
                     so.add_session_config_entry(k, v)
     try:
-        return ort.InferenceSession(str(load), sess_options=so)
+        with native_stdout_to_stderr():
+            return ort.InferenceSession(str(load), sess_options=so)
     except Exception as e:  # noqa: BLE001 -- ORT's errors derive from Exception alone
         raise DeviceError(f"the HTP backend could not run {path.name}: {str(e).splitlines()[0][:300]}") from None
 

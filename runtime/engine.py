@@ -55,7 +55,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.manifest: Manifest = load_manifest(self.model_dir)
         self.options = options
-        self.device = resolve_device(options.device.device)
+        self.device = resolve_device(options.device.device, family=self.manifest, model_dir=self.model_dir)
         cfg = self.manifest.model
         self.config = cfg
         self.batch = batch

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from staticlm.errors import InvalidOption
 
-from .batch import BatchGenerator
+from .batch import BatchGenerator, batch_rows
 from .batch_speculative import BatchSpeculator
 from .chat import ChatFormat, ChatSession
 from .drafters import DraftModelDrafter, PromptLookupDrafter
@@ -86,9 +86,11 @@ class Model:
                            else self.options.system_prompt_or_none)
 
     def batch(self, num_responses: int) -> BatchGenerator:
-        """Several responses to one prompt, decoded together in the batched graphs."""
-        return BatchGenerator(self.engine, self.tokenizer, num_responses=num_responses,
-                              speculator=self._speculator(num_sequences=num_responses))
+        """Several responses to one prompt, decoded together in the batched graphs (the exported batch size that
+        serves num_responses: see batch.batch_rows); `generate(..., num_responses=n)` runs them."""
+        num_rows = batch_rows(self.manifest.batch_sizes, num_responses, model_dir=self.engine.model_dir)
+        return BatchGenerator(self.engine, self.tokenizer, num_rows=num_rows,
+                              speculator=self._speculator(num_sequences=num_rows))
 
     def _speculator(self, *, num_sequences: int) -> Speculator | BatchSpeculator | None:
         """A draft model must share the target's tokenizer; one drafter per sequence (a draft model keeps

@@ -6,6 +6,7 @@ the packed bytes (numpy, not ORT), so a layout or packing mistake in the export 
 from __future__ import annotations
 
 import collections
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -342,3 +343,12 @@ def test_smollm2_int4_top1_agrees_with_float_on_the_eval_text(smollm2_loaded, tm
     ref, got = engine(tmp_path / "float").score(ids), engine(tmp_path / "int4").score(ids)
     agree = (ref.argmax(-1) == got.argmax(-1)).mean()
     assert agree >= 0.90, agree
+
+
+def test_json_reports_the_kv_strategy_that_runs(cpu_families):
+    """An in-place family runs the in_place strategy whatever the default asked (pointer): --json says so."""
+    proc = subprocess.run([sys.executable, "-m", "staticlm.apps.cli", "generate", "--model", str(cpu_families["int4"]),
+                           "--prompt", "hi", "--max-new-tokens", "2", "--json", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["kv_strategy"] == "in_place"

@@ -1,6 +1,10 @@
 """The runtime end to end: golden greedy output against transformers, zero copy, multi-turn KV reuse."""
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from reference import hf_greedy
@@ -86,19 +90,29 @@ def test_tiny_second_turn_equals_fresh_prefill(tiny_chat_family):
     assert fresh.last_result.token_ids == session.last_result.token_ids
 
 
-def test_tiny_htp_emulator_matches_cpu(tiny_family):
-    pytest.importorskip("onnxruntime_qnn", reason="the onnxruntime-qnn wheel does not exist for this platform")
-    prompt = plain_ids(tiny_family, "hello")
-    cpu = engine_for(tiny_family)
-    htp = engine_for(tiny_family, device=DeviceOptions(device=Device.HTP))
-    assert htp.device is Device.HTP
-    a, b = cpu.prefill(prompt).copy(), htp.prefill(prompt).copy()
-    for _ in range(6):  # a multi-step generation, both fed the CPU's greedy token
-        scale = np.abs(a).max()
-        assert np.abs(a - b).max() <= 2e-2 * scale, "HTP fp16 diverged from the CPU beyond fp16 tolerance"
-        token = int(np.argmax(a))
-        a, b = cpu.decode(token).copy(), htp.decode(token).copy()
-    assert htp.kv.stats.copied_bytes == 0
+def test_htp_on_a_family_it_cannot_run_is_refused_before_any_session(tiny_family):
+    """A float (or int4 CPU, or KV-only) family runs in fp16 on HTP, where an LLM's activations overflow: refused
+    in one line before a session (or a compiled context) exists. HTP runs QDQ families: tests/test_htp.py."""
+    proc = subprocess.run([sys.executable, "-m", "staticlm.apps.cli", "generate", "--model", str(tiny_family),
+                           "--prompt", "hi", "--device", "htp"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert "--device htp runs an HTP family (staticlm export --target htp)" in line and "float family" in line
+    assert not (tiny_family / ".qnn_cache").exists()
+
+
+def test_auto_device_picks_htp_only_for_a_family_htp_runs(tiny_family, monkeypatch):
+    from staticlm.runtime import device
+    from staticlm.runtime.family.manifest import load_manifest
+
+    float_family = load_manifest(tiny_family)
+    htp_family = dataclasses.replace(float_family, quantization={"quant": "w8a16"})
+    for npu in (False, True):
+        monkeypatch.setattr(device, "npu_available", lambda npu=npu: npu)
+        assert device.resolve_device(Device.AUTO, family=float_family, model_dir=tiny_family) is Device.CPU
+        assert device.resolve_device(Device.AUTO, family=htp_family, model_dir=tiny_family) is \
+            (Device.HTP if npu else Device.CPU)
+    assert device.resolve_device(Device.HTP, family=htp_family, model_dir=tiny_family) is Device.HTP
 
 
 # -- SmolLM2: the real model ------------------------------------------------------------------------------

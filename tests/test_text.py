@@ -244,7 +244,7 @@ def test_tiny_single_and_batched_generation_show_the_same_text(tiny_chat_family)
     tokenizer = open_tokenizer(tiny_chat_family)
     prompt = tokenizer.encode("abcabc abc", add_special_tokens=False)
     single = Generator(Engine(tiny_chat_family, options=cpu), tokenizer)
-    batch = BatchGenerator(Engine(tiny_chat_family, options=cpu), tokenizer, num_responses=4)
+    batch = BatchGenerator(Engine(tiny_chat_family, options=cpu), tokenizer, num_rows=4)
     full = single.generate(prompt, GenerationParams(max_new_tokens=24, ignore_eos=True))
     stop = full.text[len(full.text) // 2:][:2]  # a stop string the answer reaches half way
     assert len(stop) == 2

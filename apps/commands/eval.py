@@ -7,7 +7,6 @@ from pathlib import Path
 from staticlm.apps.models import ensure_default_model
 from staticlm.errors import InvalidOption
 from staticlm.runtime.device import Device
-from staticlm.runtime.engine import Engine
 from staticlm.runtime.generator import GenerationParams
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
@@ -24,20 +23,10 @@ def _greedy_answer(model: Model, prompt: str) -> str:
     return "".join(model.chat().send(prompt, GenerationParams(max_new_tokens=ANSWER_TOKENS))).strip()
 
 
-def _precision(engine: Engine) -> str:
-    """w8a16 / w4a16 / kv for HTP families, int4 (head int8) for CPU ones, else float."""
-    if engine.manifest.quantization:
-        return engine.manifest.quantization.get("quant", "quantized")
-    weights = (engine.manifest.extra or {}).get("weights")
-    if weights and weights.get("format") == "MatMulNBits":
-        return f"int{weights['bits']} (head int{weights['head_bits']})"
-    return "float"
-
-
 def run_eval(*, model: Path, reference: Path | None, text: Path | None, max_tokens: int | None, num_answers: int,
              device: str, as_json: bool) -> int:
     options = RunOptions(device=device)
-    reference = reference or ensure_default_model()
+    reference = reference or ensure_default_model("float")
     quantized = Model.open(model, options, warm_up=False)
     ref = Model.open(reference, RunOptions(device=Device.CPU), warm_up=False)  # the float reference: CPU
     engine = quantized.engine
@@ -46,7 +35,7 @@ def run_eval(*, model: Path, reference: Path | None, text: Path | None, max_toke
     ids = quantized.tokenizer.encode(held_out_text(text), add_special_tokens=False)
     result = compare(engine, ref.engine, ids, max_tokens=max_tokens)
     answers = [(p, _greedy_answer(ref, p), _greedy_answer(quantized, p)) for p in ANSWER_PROMPTS[:num_answers]]
-    summary = {"model": str(model), "quant": _precision(engine), "kv_dtype": engine.manifest.kv_dtype,
+    summary = {"model": str(model), "quant": engine.manifest.precision, "kv_dtype": engine.manifest.kv_dtype,
                "tokens": result.num_tokens, "top1_agreement": result.agreement, "ppl": result.ppl_model,
                "ppl_reference": result.ppl_reference, "ppl_change": result.ppl_change,
                "answers": [{"prompt": p, "reference": a, "model": b} for p, a, b in answers]}

@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from staticlm.apps.home import DEFAULT_MODEL, default_model_dir
+from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
 from staticlm.errors import InvalidOption
 from staticlm.export.cpu.family import export_cpu_family, num_cpu_steps
 from staticlm.export.cpu.graph import CpuAttention, CpuOptions, WeightBits
@@ -121,7 +122,9 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
                prefill_len: int | None = None, verify_lens: str | None = None, batch_sizes: str | None = None,
                draft_layers: int | None = None, quiet: bool = False, target: str | None = None,
                quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
-               weight_bits: int | None = None, cpu_attention: str | None = None) -> Path:
+               weight_bits: int | None = None, cpu_attention: str | None = None,
+               on_progress: Callable[[str, int, int], None] | None = None) -> Path:
+    """on_progress(what, done, total) after each step, instead of the progress bar (the desktop app's dialog)."""
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
     options = ExportOptions(contexts=contexts if isinstance(contexts, tuple) else parse_contexts(contexts),
                             prefill_len=prefill_len,
@@ -131,15 +134,13 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
                                               cpu_attention=cpu_attention, quant=quant, kv_bits=kv_bits,
                                               calib_steps=calib_steps)
     t0 = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), disable=quiet, transient=True) as progress:
-        task = progress.add_task(f"reading {model}", total=num_target_steps + 1)
+    with _progress(num_target_steps + 1, quiet=quiet, on_progress=on_progress) as report:
+        report(f"reading {model}", advance=0)
         loaded = load_model(model)
         if draft_layers is not None:
             loaded = truncate_layers(loaded, draft_layers)
-        progress.update(task, advance=1, description="writing weights")
-        manifest = write(loaded, out_dir,
-                         lambda name: progress.update(task, advance=1, description=f"wrote {name}"))
+        report("writing weights")
+        manifest = write(loaded, out_dir, lambda name: report(f"wrote {name}"))
     if not quiet:
         files = sorted({g.file for g in manifest.graphs})
         print(f"exported {len(files)} {what} graphs serving {len(manifest.graphs)} shapes (KV {manifest.kv_dtype}) "
@@ -147,8 +148,29 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
     return Path(out_dir)
 
 
+@contextmanager
+def _progress(total: int, *, quiet: bool, on_progress: Callable[[str, int, int], None] | None
+              ) -> Iterator[Callable[..., None]]:
+    """report(what, advance=1): a progress bar on stderr (stdout stays for results), or on_progress."""
+    if on_progress is not None:
+        done = 0
+
+        def report(what: str, advance: int = 1) -> None:
+            nonlocal done
+            done += advance
+            on_progress(what, done, total)
+
+        yield report
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), disable=quiet, transient=True) as progress:
+        task = progress.add_task("", total=total)
+        yield lambda what, advance=1: progress.update(task, advance=advance, description=what)
+
+
 def run_export_command(args: argparse.Namespace) -> int:
-    out = args.out or (default_model_dir() if args.model == DEFAULT_MODEL else
+    target = (args.target or "float").lower()
+    out = args.out or (default_model_dir(target) if args.model == DEFAULT_MODEL and target in TARGETS else
                        Path(Path(args.model).stem + "-staticlm"))
     run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len,
                verify_lens=args.verify_lens, batch_sizes=args.batch_sizes, draft_layers=args.draft_layers,

@@ -9,6 +9,7 @@ import time
 from staticlm.apps.interrupt import Interrupted, StopFlag, sigint_sets
 from staticlm.apps.models import open_model
 from staticlm.errors import InvalidOption
+from staticlm.kv_manager import Overflow
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.generator import FinishReason
 from staticlm.runtime.model import Model
@@ -21,11 +22,14 @@ def run_generate(*, prompt: str, options: RunOptions, chat: bool = True, num_res
         raise InvalidOption("the prompt is empty: pass some text with --prompt")
     if num_responses < 1:
         raise InvalidOption(f"--num-responses must be >= 1, got {num_responses}")
-    model = open_model(options)
-    ids = (model.format.prompt_ids([Message(role="user", content=prompt)], system_prompt=options.system_prompt_or_none)
-           if chat else model.tokenizer.encode(prompt, add_special_tokens=True))
-    run = _generate_one if num_responses == 1 else _generate_batch
-    summary, cancelled = run(model, ids, num_responses=num_responses, as_json=as_json)
+    model = open_model(options, num_responses=num_responses)
+    if num_responses == 1:
+        summary, cancelled = _generate_one(model, prompt, chat=chat, as_json=as_json)
+    else:
+        ids = (model.format.prompt_ids([Message(role="user", content=prompt)],
+                                       system_prompt=options.system_prompt_or_none)
+               if chat else model.tokenizer.encode(prompt, add_special_tokens=True))
+        summary, cancelled = _generate_batch(model, ids, num_responses=num_responses, as_json=as_json)
     if as_json:
         print(json.dumps(summary))
     if cancelled:
@@ -33,25 +37,39 @@ def run_generate(*, prompt: str, options: RunOptions, chat: bool = True, num_res
     return summary
 
 
-def _generate_one(model: Model, ids: list[int], *, num_responses: int, as_json: bool) -> tuple[dict, bool]:
-    generator, engine = model.generator, model.engine
-    flag = StopFlag()
+def _generate_one(model: Model, prompt: str, *, chat: bool, as_json: bool) -> tuple[dict, bool]:
+    engine, session, flag = model.engine, model.chat(), StopFlag()
+    params = model.options.generation_params()
+    if chat:
+        stream = session.send(prompt, params, should_stop=flag)
+    else:
+        ids, num_dropped = model.tokenizer.encode(prompt, add_special_tokens=True), 0
+        if len(ids) > engine.max_context and model.options.overflow is Overflow.SLIDE:  # keep the end
+            num_dropped = len(ids) - (engine.max_context - min(params.max_new_tokens, engine.max_context // 4))
+            ids = ids[num_dropped:]
+        stream = model.generator.stream(ids, params, should_stop=flag)
     with sigint_sets(flag):
-        for chunk in generator.stream(ids, model.options.generation_params(), should_stop=flag):
+        for chunk in stream:
             if not as_json:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
     if not as_json:
         sys.stdout.write("\n")
-    result = generator.last_result
+    num_dropped = session.prompt_tokens_dropped if chat else num_dropped
+    if num_dropped:
+        print(f"staticlm: the prompt was longer than the context ({engine.max_context} tokens): its first "
+              f"{num_dropped} tokens were left out" + (" (the chat template's head stays)" if chat else ""),
+              file=sys.stderr)
+    result = model.generator.last_result
     summary = {
         "token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason.value,
-        "prompt_tokens": result.prompt_tokens, "new_tokens": len(result.token_ids),
+        "prompt_tokens": result.prompt_tokens, "prompt_tokens_dropped": num_dropped,
+        "new_tokens": len(result.token_ids),
         "ttft_s": round(result.ttft_s, 4), "prefill_tok_s": round(result.prefill_tok_s, 2),
         "decode_tok_s": round(result.decode_tok_s, 2), "device": engine.device_name,
         "kv_strategy": engine.kv_strategy.value, "kv_copied_bytes": int(engine.kv.stats.copied_bytes),
     }
-    spec = generator.speculator
+    spec = model.generator.speculator
     if spec is not None:
         summary.update(drafted_tokens=spec.stats.num_drafted, accepted_tokens=spec.stats.num_accepted,
                        verify_steps=spec.stats.num_steps, acceptance_rate=round(spec.stats.acceptance_rate, 3),
@@ -65,7 +83,8 @@ def _generate_batch(model: Model, ids: list[int], *, num_responses: int, as_json
     flag = StopFlag()
     t0 = time.perf_counter()
     with sigint_sets(flag):
-        responses = batch.generate(ids, model.options.generation_params(), should_stop=flag)
+        responses = batch.generate(ids, model.options.generation_params(), num_responses=num_responses,
+                                   should_stop=flag)
     seconds = time.perf_counter() - t0
     num_tokens = sum(len(r.token_ids) for r in responses)
     summary = {

@@ -11,15 +11,14 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QCoreApplication, QObject, Signal, Slot
 
-from staticlm.apps.home import DEFAULT_MODEL, default_model_dir
+from staticlm.apps.home import DEFAULT_MODEL
 from staticlm.apps.interrupt import StopFlag
+from staticlm.apps.models import resolve_model_dir
 from staticlm.errors import UserError
-from staticlm.export.family import ExportOptions, export_family, num_steps
-from staticlm.export.sources import load_model
 from staticlm.kv_manager import ContextFull
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.device import npu_available
-from staticlm.runtime.family.manifest import MANIFEST_NAME, GraphKind
+from staticlm.runtime.family.manifest import GraphKind
 from staticlm.runtime.model import Model, check_draft_model
 
 from .kv_view import KVProbe
@@ -115,11 +114,7 @@ class GenerationWorker(QObject):
         self.stop_flag.clear()  # a Stop meant for the answer this load was queued behind is spent
         try:
             check_draft_model(settings.speculate_options())
-            model_dir = settings.model_dir
-            if model_dir is None:
-                model_dir = default_model_dir()
-                if not (model_dir / MANIFEST_NAME).is_file():
-                    self._export_default(model_dir)
+            model_dir = resolve_model_dir(settings.model_dir, quiet=True, on_progress=self._export_progress)
             self.progress.emit(f"Opening {model_dir.name}…", 0, 0)
             self.model = self.engine = self.session = self.probe = None  # old sessions go before new ones
             model = Model.open(model_dir, settings)
@@ -145,22 +140,11 @@ class GenerationWorker(QObject):
                                     device=engine.device_name, detected=detect_devices(),
                                     max_context=engine.max_context, snapshot=self.probe.snapshot()))
 
-    def _export_default(self, target) -> None:
-        options = ExportOptions()
-        total, done = num_steps(options) + 1, 0
-        self.progress.emit(f"First run: reading {DEFAULT_MODEL}…", done, total)
-        loaded = load_model(DEFAULT_MODEL)
+    def _export_progress(self, what: str, done: int, total: int) -> None:
+        """The first run's export of the default model, step by step; the export is staged, so a cancel here
+        leaves nothing behind."""
+        self.progress.emit(f"First run: exporting {DEFAULT_MODEL}: {what}", done, total)
         self._check_cancel()
-
-        def step(name: str) -> None:
-            nonlocal done
-            done += 1
-            self.progress.emit(f"Exporting {DEFAULT_MODEL}: wrote {name}", done, total)
-            self._check_cancel()  # export_family is atomic: a cancelled export leaves nothing behind
-
-        done += 1
-        self.progress.emit(f"Exporting {DEFAULT_MODEL}: writing weights", done, total)
-        export_family(loaded, target, options=options, on_step=step)
 
     def _check_cancel(self) -> None:
         if self.stop_flag() or self.closing():

@@ -11,7 +11,7 @@ from staticlm.errors import UserError
 
 from .config import ModelConfig
 from .contract import GraphShape, KVLayout, Role, TensorSpec, num_kv_tensors
-from .quant_params import FamilyQuant, QuantParamsError
+from .quant_params import FamilyQuant, Quant, QuantParamsError
 
 MAGIC = "staticlm-family"
 # 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target)
@@ -96,6 +96,22 @@ class Manifest:
         """The ladder of one kind and batch size, smallest past window first."""
         return tuple(sorted((g for g in self.graphs if g.kind == kind and g.shape.batch == batch),
                             key=lambda g: g.shape.past_len))
+
+    @property
+    def runs_on_htp(self) -> bool:
+        """Whether the HTP backend can run the family: 16-bit activations (w8a16, w4a16). Float activations run
+        in fp16 there, and an LLM's residual stream overflows fp16."""
+        return self.quantization is not None and self.quantization.get("quant") in (Quant.W8A16, Quant.W4A16)
+
+    @property
+    def precision(self) -> str:
+        """What the family's weights are, for messages: w8a16 / w4a16 / kv, int4 (head int8), or float."""
+        if self.quantization:
+            return str(self.quantization.get("quant", "quantized"))
+        weights = self.extra.get("weights") or {}
+        if weights.get("format") == "MatMulNBits":
+            return f"int{weights['bits']} (head int{weights['head_bits']})"
+        return "float"
 
     @property
     def quant(self):
