@@ -128,6 +128,8 @@ class Generator:
     # -- whole requests ---------------------------------------------------------------------
     def sync_prefix(self, ids: list[int]) -> list[int]:
         """Rewind to the longest cached prefix of `ids`; return what is left to prefill (never empty)."""
+        if self.engine.num_cached != len(self.tokens):
+            self.reset()  # the engine's cache was used or reset without this generator: nothing cached is known
         if self.dropped:
             if ids[:len(self.dropped)] != self.dropped:
                 self.reset()  # the conversation changed inside the part that slid out: start over

@@ -127,8 +127,9 @@ def test_over_long_prompt_under_slide_reports_what_it_dropped(tiny_chat_family):
 def test_a_long_document_and_a_question_about_its_end_gets_an_answer(smollm2_family):
     from staticlm.apps.commands.eval_metrics import held_out_text
 
-    document = held_out_text() + ("\n\nThe lighthouse on the northern cape was painted bright green in the spring, "
-                                  "and its keeper named it Emerald.")
+    text = held_out_text()  # ~2,300 tokens; with its first third again, a ~3,000-token document
+    document = text + "\n\n" + text[:len(text) // 3] + ("\n\nThe lighthouse on the northern cape was painted bright "
+                                                       "green in the spring, and its keeper named it Emerald.")
     prompt = f"{document}\n\nWhat color was the lighthouse painted?"
     proc = staticlm("generate", "--model", smollm2_family, "--prompt", prompt, "--on-overflow", "slide",
                     "--max-new-tokens", "24", "--json", "--device", "cpu", timeout=900)
@@ -136,3 +137,19 @@ def test_a_long_document_and_a_question_about_its_end_gets_an_answer(smollm2_fam
     summary = json.loads(proc.stdout)
     assert summary["prompt_tokens_dropped"] > 0
     assert "green" in summary["text"].lower(), summary["text"]
+
+
+def test_eval_of_a_family_against_itself_agrees_everywhere(tiny_chat_family, tmp_path):
+    """Teacher-forced scores, then greedy chat answers on the same engines: a family against itself agrees on every
+    token and answers alike."""
+    text = tmp_path / "text.txt"
+    text.write_text("hello there, this is a short held-out text for the tiny model. " * 3)
+    proc = staticlm("eval", "--model", tiny_chat_family, "--reference", tiny_chat_family, "--text", text,
+                    "--answers", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["top1_agreement"] == 1.0 and abs(summary["ppl_change"]) < 1e-6 and summary["tokens"] > 100
+    assert len(summary["answers"]) == 2 and all(a["model"] == a["reference"] for a in summary["answers"])
+    missing = staticlm("eval", "--model", tiny_chat_family, "--reference", tiny_chat_family,
+                       "--text", tmp_path / "none.txt")
+    assert "cannot read the evaluation text" in one_line_error(missing)

@@ -19,7 +19,7 @@ ANSWER_TOKENS = 48
 
 
 def _greedy_answer(model: Model, prompt: str) -> str:
-    model.engine.reset()
+    model.generator.reset()  # each prompt from an empty cache, as the teacher-forced comparison left it
     return "".join(model.chat().send(prompt, GenerationParams(max_new_tokens=ANSWER_TOKENS))).strip()
 
 
