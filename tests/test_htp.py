@@ -217,6 +217,36 @@ def test_first_token_runs_alone_in_its_own_sink_graph(tiny_q16):
     assert sink.name in engine._runners and engine.num_cached == TINY_PREFILL + 3
 
 
+def test_attention_matmuls_take_a_signed_16_bit_second_input(tiny_q16, tiny_q8):
+    """Read from the files: HTP takes a MatMul of two uint16 activations with the second one at 8 bits, so that
+    one is a symmetric int16 copy holding the uint16 tensor's whole range, in every graph (the sink's following
+    the sink's own parameters). An 8-bit KV family's uint8 V is read as it is."""
+    for family, expected in ((tiny_q16, 3), (tiny_q8, 0)):  # per KV head: Q^T (K x Q^T, new K x Q^T), past V, new V
+        for path in sorted(family.glob("*.onnx")):
+            g = onnx.load(str(path), load_external_data=False).graph
+            inits = {i.name: numpy_helper.to_array(i) for i in g.initializer if not i.external_data}
+            weights = {i.name for i in g.initializer}
+            producer = {o: n for n in g.node for o in n.output}
+            dynamic = [n for n in g.node if n.op_type == "MatMul" and all(
+                producer[i].op_type == "DequantizeLinear" and producer[i].input[0] not in weights for i in n.input)]
+            assert len(dynamic) == 4 * 2 * 2, path.name  # scores and attention, past and new, per layer and KV head
+            copies = set()
+            for node in dynamic:
+                first, dq = producer[node.input[0]], producer[node.input[1]]
+                scale, zp = inits[dq.input[1]], inits[dq.input[2]]
+                if inits[first.input[2]].dtype == np.uint8 or zp.dtype == np.uint8:  # 8-bit KV: as it is
+                    assert family is tiny_q8
+                    continue
+                assert zp.dtype == np.int16 and zp == 0, (path.name, node.name, zp.dtype)
+                source = producer[producer[dq.input[0]].input[0]]  # the uint16 tensor's DequantizeLinear
+                s16, z16 = float(inits[source.input[1]]), int(inits[source.input[2]])
+                assert inits[source.input[2]].dtype == np.uint16
+                assert float(scale) * 32767 >= max(z16, 65535 - z16) * s16 * (1 - 1e-6)  # nothing clips
+                assert float(scale) <= 2 * s16 * (1 + 1e-6)  # at most one bit coarser
+                copies.add(node.input[1])
+            assert len(copies) == expected * 2 * 2, (path.name, len(copies))  # layers x KV heads
+
+
 def _inline_arrays(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
             if i.data_location != onnx.TensorProto.EXTERNAL}
@@ -392,6 +422,28 @@ def test_htp_emulator_matches_cpu_ep(family, request, tmp_path):
         assert steps[:, :TINY_PREFILL + 3].max() <= 3, steps[:, :TINY_PREFILL + 3].max()
         assert steps.max() <= 26, steps.max()
     assert list((directory / ".qnn_cache").glob("*_ctx.onnx"))  # compiled once, reused by later loads
+
+
+@pytest.mark.htp
+@pytest.mark.parametrize("family", ["tiny_q16", "tiny_q8"])
+def test_htp_prompt_chunk_after_the_sink_matches_cpu_ep(family, request, tmp_path):
+    """The path a chat prompt takes: its first token alone in the sink graph, then a full prompt chunk, on HTP and
+    the CPU EP from the same empty cache. Every KV row the two graphs write within a few integer steps.
+
+    Before the attention MatMuls' second inputs (Q^T, V) became int16 copies (qdq.signed_matmul_operands), HTP
+    took them at 8 bits and the uint16 KV rows of the chunk missed these bounds."""
+    directory = _htp_copy(request.getfixturevalue(family), tmp_path)
+    ids = np.frombuffer(TEXT, np.uint8).astype(np.int64)[:1 + TINY_PREFILL]
+    cpu, htp = (Engine(directory, options=EngineOptions(device=d)) for d in (CPU, HTP))
+    a, b = cpu.prefill(ids), htp.prefill(ids)
+    for engine in (cpu, htp):  # the sink graph, then one prompt-chunk graph (no decode step)
+        assert set(engine._runners) == {engine._sink[0].name, engine._prefill[0].name}, engine._runners.keys()
+    logits_steps = np.abs(a - b).max() / cpu.quant.logits.scale
+    assert logits_steps <= 32, logits_steps
+    kv_cpu, kv_htp = (e.kv.valid_block(0).astype(np.int64) for e in (cpu, htp))
+    assert kv_cpu.shape[1] == ids.size
+    steps = np.abs(kv_cpu - kv_htp).max(axis=(0, 2))  # per row: the sink's, then the chunk's
+    assert steps.max() <= (8 if cpu.kv.spec.dtype == "uint16" else 3), steps
 
 
 @pytest.mark.htp

@@ -46,6 +46,7 @@ from .qdq import (
     calibrated_ranges,
     quantize_graph,
     recalibrated,
+    signed_matmul_operands,
     strip_boundary,
     through_data_movement,
 )
@@ -201,7 +202,7 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
     ranges = quantize_graph(float_dir / entry.file, qpath, reader=_step_reader(fm, steps, fq=fq, config=config),
                             quant=quant.quant, pinned=pinned,
                             weight_overrides={**weight_overrides(quant.quant, config), **grid, **(rounded or {})})
-    proto = strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned)
+    proto = signed_matmul_operands(strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned))
     # 4-bit weights of a float source go per block too: one 4-bit scale per channel costs far more agreement
     # with float than one per block. 8-bit ones stay per channel, GPTQ-rounded (`rounded`).
     four_bit = quant.quant is Quant.W4A16
@@ -219,7 +220,8 @@ def _sink_template(template: _Template, float_dir: Path, fm: Manifest, steps, *,
     """The template with its activation parameters calibrated on first tokens only (see calibration.py)."""
     ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
                                _step_reader(fm, steps, fq=fq, config=config), sorted(template.ranges))
-    proto = recalibrated(template.proto, calibrated=template.ranges, ranges=ranges, pinned=template.pinned)
+    proto = signed_matmul_operands(recalibrated(template.proto, calibrated=template.ranges, ranges=ranges,
+                                                pinned=template.pinned))  # int16 copies follow the new ranges
     return dataclasses.replace(template, proto=proto, ranges=ranges)
 
 

@@ -198,6 +198,70 @@ def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges,
     return out
 
 
+# QNN HTP computes a MatMul of two uint16 activations (scores = K x Q^T, attention = P x V) with its second input
+# converted to 8 bits (seen on the x86_64 emulator, onnxruntime-qnn 2.7.0): the products land on that input's
+# 256-level grid, where a symmetric int16 second input is computed at 16 bits. Every KV row a graph writes drifted
+# from the CPU EP's that way, most in a prompt chunk, whose many rows feed each other
+# (tests/test_htp.py::test_htp_prompt_chunk_after_the_sink_matches_cpu_ep). So that input goes through a symmetric
+# int16 copy over the same range (at most one bit coarser than uint16; HTP converted it every step anyway). A uint8
+# input (an 8-bit KV family's V) is left as it is: QNN takes those MatMuls as they are and refuses them with an
+# int16 copy.
+SIGNED_OPERAND = "_int16"
+
+
+def _uint16_activation(dq: onnx.NodeProto | None, inits: dict) -> bool:
+    if dq is None or dq.op_type not in DQ_OPS or dq.input[0] in inits or len(dq.input) < 3:
+        return False
+    zp = inits.get(dq.input[2])
+    return zp is not None and zp.data_type == onnx.TensorProto.UINT16
+
+
+def _symmetric_int16(scale: float, zero_point: int) -> np.float32:
+    """The int16 scale with zero point 0 whose range holds everything the uint16 tensor represents."""
+    return np.float32(max(zero_point, np.iinfo(np.uint16).max - zero_point) * scale / np.iinfo(np.int16).max)
+
+
+def signed_matmul_operands(model: onnx.ModelProto) -> onnx.ModelProto:
+    """In place: the second input of each MatMul of two uint16 activations goes through a symmetric int16 copy
+    (DQ -> Q int16 -> DQ -> MatMul; HTP runs the Q as one conversion). Run again after the uint16 tensors'
+    parameters changed (recalibrated): the int16 scales follow them."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    nodes: list[onnx.NodeProto] = []
+    made: dict[str, str] = {}  # operand -> its int16 dequantized copy
+    for node in g.node:
+        if node.op_type == "MatMul" and len(node.input) == 2:
+            operand = node.input[1]
+            dq = producer.get(operand)
+            if operand.endswith(f"{SIGNED_OPERAND}_dequantized"):  # done before: the scale follows the source
+                q = producer[dq.input[0]]
+                source = producer[q.input[0]]
+                scale, zp = (numpy_helper.to_array(inits[n]) for n in source.input[1:3])
+                inits[q.input[1]].CopyFrom(numpy_helper.from_array(
+                    np.array(_symmetric_int16(float(scale), int(zp))), q.input[1]))
+            elif _uint16_activation(dq, inits) and _uint16_activation(producer.get(node.input[0]), inits):
+                if operand not in made:
+                    scale, zp = (numpy_helper.to_array(inits[n]) for n in dq.input[1:3])
+                    if scale.size != 1:
+                        raise ValueError(f"{operand}: per-tensor parameters expected")
+                    s, z = f"{operand}{SIGNED_OPERAND}_scale", f"{operand}{SIGNED_OPERAND}_zero_point"
+                    g.initializer.extend([
+                        numpy_helper.from_array(np.array(_symmetric_int16(float(scale), int(zp))), s),
+                        numpy_helper.from_array(np.array(0, np.int16), z)])
+                    inits = {i.name: i for i in g.initializer}
+                    quantized, made[operand] = f"{operand}{SIGNED_OPERAND}", f"{operand}{SIGNED_OPERAND}_dequantized"
+                    nodes += [helper.make_node("QuantizeLinear", [operand, s, z], [quantized],
+                                               name=f"{quantized}_QuantizeLinear"),
+                              helper.make_node("DequantizeLinear", [quantized, s, z], [made[operand]],
+                                               name=f"{quantized}_DequantizeLinear")]
+                node.input[1] = made[operand]
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+    return model
+
+
 def _consumers(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto]:
     return [n for n in graph.node if name in n.input]
 
