@@ -8,6 +8,8 @@ Differences from export/graph/llama.py's LlamaGraph, each for a reason:
   the parameters their past window comes in with, and nothing requantizes them.
 - Scores are K x Q^T (the past window is the MatMul's first input, read as is) and the small score
   block is transposed, never the [P, D] window: a Transpose on HTP would copy the cache every step.
+  The second inputs of these MatMuls (Q^T, V) are given an int16 copy after quantization (HTP takes a
+  uint16 one at 8 bits: qdq.signed_matmul_operands).
 - RMSNorm is SimplifiedLayerNormalization (QNN's RmsNorm): a quantized x^2 / mean / sqrt chain loses
   the variance's precision in 16 bits when the hidden state has outliers.
 Batch 1 only (the HTP family exports no batched graphs).

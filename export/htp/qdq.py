@@ -203,9 +203,10 @@ def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges,
 # 256-level grid, where a symmetric int16 second input is computed at 16 bits. Every KV row a graph writes drifted
 # from the CPU EP's that way, most in a prompt chunk, whose many rows feed each other
 # (tests/test_htp.py::test_htp_prompt_chunk_after_the_sink_matches_cpu_ep). So that input goes through a symmetric
-# int16 copy over the same range (at most one bit coarser than uint16; HTP converted it every step anyway). A uint8
-# input (an 8-bit KV family's V) is left as it is: QNN takes those MatMuls as they are and refuses them with an
-# int16 copy.
+# int16 copy over the same range (at most one bit coarser than uint16). The copy replaces the 8-bit one HTP made
+# every step, but the MatMul then runs at 16 x 16 bits, which costs time per step (slower on the x86_64 emulator;
+# not yet measured on a device). A uint8 input (an 8-bit KV family's V) is left as it is: QNN takes
+# those MatMuls as they are and refuses them with an int16 copy.
 SIGNED_OPERAND = "_int16"
 
 
