@@ -163,10 +163,13 @@ class MainWindow(QMainWindow):
             self._progress.setAutoClose(False)
             self._progress.setAutoReset(False)
             self._progress.canceled.connect(self.stop_flag.set)
-        self._progress.setLabelText(what)
-        self._progress.setRange(0, total)
-        self._progress.setValue(done)
-        self._progress.show()
+        dialog = self._progress
+        dialog.setLabelText(what)
+        dialog.setRange(0, total)
+        # A modal dialog's setValue runs the event loop, where the model may finish loading and close the dialog.
+        dialog.setValue(done)
+        if self._progress is dialog:
+            dialog.show()
 
     def _close_progress(self) -> None:
         if self._progress is not None:
