@@ -1,6 +1,6 @@
-"""The `staticlm` command: export, compile, generate, chat, app, eval, bench.
+"""The `staticlm` command: export, compile, generate, chat, serve, app, eval, bench.
 
-The options that run a model (generate, chat, app) are not written here: each is a field of
+The options that run a model (generate, chat, serve, app) are not written here: each is a field of
 `runtime.options.RunOptions`, and `add_run_options` turns every field into a flag. Only what the user typed
 reaches the namespace (argparse.SUPPRESS), so the defaults stay where they are declared, and `app` can lay
 the typed options over its saved settings.
@@ -19,6 +19,8 @@ from staticlm.apps.commands.eval import run_eval
 from staticlm.apps.commands.export import run_export_command
 from staticlm.apps.commands.generate import Interrupted, run_generate
 from staticlm.apps.gui.app import launch
+from staticlm.apps.serve.command import run_serve
+from staticlm.apps.serve.options import DEFAULT_MAX_BODY_BYTES, ServeOptions
 from staticlm.errors import UserError
 from staticlm.runtime.options import RunOptions, flag, run_option_fields, spec, value_type
 
@@ -88,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several answers to the prompt, decoded together in batched graphs")
     add_run_options(g)
     add_run_options(sub.add_parser("chat", help="chat in the terminal"))
+    add_run_options(_serve_parser(sub))
     add_run_options(sub.add_parser("app", help="the desktop chat window (the terminal chat where there is no "
                                    "display); typed options override the saved settings"))
     v = sub.add_parser("eval", help="accuracy of a (quantized) family against the float one: agreement, perplexity")
@@ -119,7 +122,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a --cpu-attention windows export of the same model: the concat/shift/bmc/pointer rows when "
                         "--model keeps its KV in place")
     b.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat, small microbenchmark")
+    b.add_argument("--only", default=None, help="comma-separated row sets to run (default all): speed, bmc, "
+                   "strategies, speculative, responses, serve")
     return parser
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                       "/v1/models, /health, /metrics) with continuous batching; needs the serve extra")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every endpoint but /health")
+    s.add_argument("--cors", action="append", default=None, metavar="ORIGIN",
+                   help="allow browser calls from this origin (repeatable; default: CORS off)")
+    s.add_argument("--max-queue", type=int, default=ServeOptions.max_queue,
+                   help=f"requests that may wait for a batch row; past it, 429 (default {ServeOptions.max_queue})")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body; past it, 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    s.add_argument("--no-prompt-cache", action="store_true",
+                   help="prefill every prompt in full instead of reusing cached prefixes")
+    s.add_argument("--model-id", default=None, help="the id /v1/models lists and requests name "
+                   "(default: the model directory's name)")
+    return s
 
 
 def dispatch(args: argparse.Namespace) -> int:
@@ -142,6 +166,11 @@ def dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "chat":
         return run_chat(options=options)
+    if args.command == "serve":
+        return run_serve(options, ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
+                                               cors=tuple(args.cors or ()), max_queue=args.max_queue,
+                                               max_body_bytes=args.max_body_bytes,
+                                               prompt_cache=not args.no_prompt_cache, model_id=args.model_id))
     raise AssertionError(args.command)
 
 

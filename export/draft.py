@@ -5,6 +5,7 @@ import dataclasses
 
 from staticlm.errors import InvalidOption
 from staticlm.export.sources import LoadedModel
+from staticlm.export.sources.gguf_file import LazyTensors
 
 
 def truncate_layers(model: LoadedModel, num_layers: int) -> LoadedModel:
@@ -13,7 +14,17 @@ def truncate_layers(model: LoadedModel, num_layers: int) -> LoadedModel:
     if not 1 <= num_layers < total:
         raise InvalidOption(f"--draft-layers must be in [1, {total - 1}] for this {total}-layer model, "
                             f"got {num_layers}")
-    keep = {name: w for name, w in model.weights.items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
-    return dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=num_layers), weights=keep,
+
+    def kept(name: str) -> bool:
+        return not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=num_layers),
+                               weights=_only(model.weights, kept), grids=_only(model.grids, kept),
                                source=f"{model.source}, first {num_layers} of {total} layers (draft)")
+
+
+def _only(tensors, keep):
+    """The tensors whose names keep accepts; a lazy source's stay lazy (nothing is read here)."""
+    if isinstance(tensors, LazyTensors):
+        return tensors.filtered(keep)
+    return {name: value for name, value in tensors.items() if keep(name)}

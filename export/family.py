@@ -77,11 +77,15 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
     """Write the float family into out_dir atomically (see staged_family)."""
     config, options = model.config, options or ExportOptions()
     options.validate(config.max_positions)
+    config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
     step = on_step or (lambda _name: None)
     with staged_family(out_dir) as work:
         writer = WeightFileWriter(work / WEIGHTS_FILE)
-        graph_class, write = (HTPLlamaGraph, write_htp_weights) if options.htp_style else (LlamaGraph, write_weights)
-        write(config, model.weights, writer)
+        graph_class = HTPLlamaGraph if options.htp_style else LlamaGraph
+        if options.htp_style:
+            write_htp_weights(config, model, writer=writer)  # keeps the source's grids
+        else:
+            write_weights(config, model.weights, writer)
         weights_bytes, weights_sha = writer.close()
         step("weights")
         entries = []

@@ -160,6 +160,13 @@ class KVCache:
         self.ends[:] = self._initial_end()
         self._prepared_ar = 0
 
+    def clear(self, seq: int) -> None:
+        """Empty one sequence, the others untouched (a batch row handed to a new request); nothing is copied."""
+        self.lengths[seq] = 0
+        self._num_dropped[seq] = 0
+        self.ends[seq] = self._initial_end()
+        self._prepared_ar = 0
+
     def valid_block(self, seq: int) -> np.ndarray:
         """[T, length, D] of one sequence's committed rows, every tensor (a view for one-head buffers)."""
         end = int(self.ends[seq])

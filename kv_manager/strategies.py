@@ -98,6 +98,10 @@ class ConcatCache(KVCache):
         super().reset()
         self._set_buffer(self._new_buffer(self._initial_rows()))
 
+    def clear(self, seq: int) -> None:
+        super().clear(seq)
+        self._make_room(self.spec.max_past, self.spec.max_ar)  # the last step's array may be shorter than a window
+
 
 class InPlaceCache(KVCache):
     """The in-place layout (GroupQueryAttention graphs): valid rows start at row 0 and the graph itself writes

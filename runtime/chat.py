@@ -1,53 +1,86 @@
 """A conversation over a Generator: each turn prefills only what the cache does not hold yet."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import ContextFull, Overflow
 
-from .chat_template import Message, render_chat
+from .chat_template import ChatMessage, Message, render_chat
 from .generator import FinishReason, GenerationParams, GenerationResult, Generator
 from .tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """How messages become prompt ids: the model's chat template (a plain fallback without one) and tokenizer."""
+    """How messages become prompt ids: the model's chat template (a plain fallback without one) and tokenizer.
+
+    chat_template: one template, or named ones ({"default": .., "tool_use": ..}) of which the one transformers
+    would pick is used. Messages: `Message`s or OpenAI-shaped mappings (rendered as given, like transformers)."""
 
     tokenizer: Tokenizer
-    chat_template: str | None
+    chat_template: str | Mapping[str, str] | None
     bos_token: str | None
     eos_token: str | None
 
-    def prompt_ids(self, messages: list[Message], *, system_prompt: str | None = None) -> list[int]:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads `tools` at all (without it, tools passed are silently not shown)."""
+        template = self.chat_template or {}
+        templates = [template] if isinstance(template, str) else list(template.values())
+        return any("tools" in t for t in templates)
+
+    def render(self, messages: Sequence[ChatMessage], *, system_prompt: str | None = None,
+               tools: list[dict] | None = None, add_generation_prompt: bool = True,
+               template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The prompt text, as transformers' apply_chat_template(..., tools=tools, tokenize=False) renders it."""
         full = ([Message(role="system", content=system_prompt)] if system_prompt else []) + list(messages)
         if self.chat_template:
-            text = render_chat(self.chat_template, full, add_generation_prompt=True, bos_token=self.bos_token,
-                               eos_token=self.eos_token)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        text = "".join(f"{m.role}: {m.content}\n" for m in full) + "assistant: "
-        return self.tokenizer.encode(text, add_special_tokens=True)
+            return render_chat(self.chat_template, full, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token, eos_token=self.eos_token, tools=tools,
+                               template_kwargs=template_kwargs)
+        if tools:
+            raise InvalidOption("this model has no chat template, so it cannot be given tools")
+        text = "".join(f"{_field(m, 'role')}: {_field(m, 'content') or ''}\n" for m in full)
+        return text + ("assistant: " if add_generation_prompt else "")
 
-    def fitted_prompt_ids(self, messages: list[Message], *, system_prompt: str | None,
-                          max_tokens: int) -> tuple[list[int], int]:
+    def prompt_ids(self, messages: Sequence[ChatMessage], *, system_prompt: str | None = None,
+                   tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """tools: OpenAI/JSON-schema function dicts, the template's `tools` variable; messages may carry
+        tool_calls (assistant) and tool_call_id/name (tool), see Message.from_openai."""
+        text = self.render(messages, system_prompt=system_prompt, tools=tools,
+                           add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+        # A template writes its own BOS (if any); the plain fallback gets the tokenizer's.
+        return self.tokenizer.encode(text, add_special_tokens=not self.chat_template)
+
+    def fitted_prompt_ids(self, messages: Sequence[ChatMessage], *, system_prompt: str | None, max_tokens: int,
+                          tools: list[dict] | None = None,
+                          template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], int]:
         """Prompt ids of at most max_tokens, and how many tokens were dropped to get there: the oldest messages go
-        first (never the last one), then the start of the last message's text. The template's head (its system
-        prompt) and the assistant header at the end stay, so a long document followed by a question keeps the
-        question."""
-        ids = self.prompt_ids(messages, system_prompt=system_prompt)
-        num_full, messages = len(ids), list(messages)
-        while len(ids) > max_tokens and len(messages) > 1:
-            messages = messages[1:]
-            ids = self.prompt_ids(messages, system_prompt=system_prompt)
+        first (never the leading system messages, never the last one), then the start of the last message's text.
+        The template's head (its system prompt, the tools) and the assistant header at the end stay, so a long
+        document followed by a question keeps the question."""
+        def ids_of(msgs: list[ChatMessage]) -> list[int]:
+            return self.prompt_ids(msgs, system_prompt=system_prompt, tools=tools, template_kwargs=template_kwargs)
+
+        messages = list(messages)
+        num_head = next((i for i, m in enumerate(messages) if _field(m, "role") != "system"), len(messages))
+        head, body = messages[:num_head], messages[num_head:]
+        ids = ids_of(messages)
+        num_full = len(ids)
+        while len(ids) > max_tokens and len(body) > 1:
+            body = body[1:]
+            ids = ids_of(head + body)
         if len(ids) > max_tokens:
-            *rest, last = messages
-            content = self.tokenizer.encode(last.content, add_special_tokens=False)
+            *rest, last = head + body
+            content = self.tokenizer.encode(_field(last, "content") or "", add_special_tokens=False)
 
             def with_tail(num_kept: int) -> list[int]:
                 tail = self.tokenizer.decode(content[len(content) - num_kept:]) if num_kept else ""
-                return self.prompt_ids([*rest, Message(role=last.role, content=tail)], system_prompt=system_prompt)
+                return ids_of([*rest, _with_content(last, tail)])
 
             low, high = 0, len(content)  # the most content tokens that fit: binary search, a few renders
             while low < high:
@@ -57,6 +90,14 @@ class ChatFormat:
             if len(ids) > max_tokens:
                 raise ContextFull(f"the chat template alone takes {len(ids)} tokens; the context holds {max_tokens}")
         return ids, num_full - len(ids)
+
+
+def _field(message: ChatMessage, key: str) -> Any:
+    return message.get(key) if isinstance(message, Mapping) else getattr(message, key)
+
+
+def _with_content(message: ChatMessage, content: str) -> ChatMessage:
+    return {**message, "content": content} if isinstance(message, Mapping) else replace(message, content=content)
 
 
 class ChatSession:

@@ -84,7 +84,7 @@ class Engine:
                    batch=batch, pad_values=self.quant.kv_pad_values if self.quant else None,
                    heads_per_buffer=self.layout.heads_per_buffer(cfg)),
             self.kv_strategy, bmc_r=options.bmc_r)
-        rope = RopeTable(head_dim=cfg.head_dim, theta=cfg.rope_theta, max_positions=cfg.max_positions)
+        rope = RopeTable(cfg)
         self._family = FamilyContext(config=cfg, rope=rope, quant=self.quant)
         self._runners: dict[str, Runner] = {}
         self._sessions: dict[str, object] = {}  # graph file -> its ORT session
@@ -295,6 +295,13 @@ class Engine:
         rows = source.kv.valid_block(0)  # [T, n, D] view
         for seq in range(self.batch):
             self.kv.load(seq, rows)
+
+    def load_row(self, seq: int, source: Engine, *, source_seq: int = 0, num_rows: int | None = None) -> None:
+        """Make sequence seq start from the first num_rows (default: all) cached rows of source's sequence
+        source_seq, the other sequences untouched: one copy per request, never per token (continuous batching)."""
+        rows = source.kv.valid_block(source_seq)  # [T, n, D]
+        self.kv.clear(seq)
+        self.kv.load(seq, rows if num_rows is None else rows[:, :num_rows])
 
     def decode_batch(self, token_ids: np.ndarray, *, active: np.ndarray) -> np.ndarray:
         """One token per sequence in, logits [B, V] out; finished (inactive) sequences commit nothing."""

@@ -3,15 +3,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from .family.config import ModelConfig
+
+
+def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [N, D] float64 for positions [N], in HF's rotate_half layout over the first rope_dims dims.
+
+    The dims past rope_dims (partial rotary) pass through: cos 1, sin 0. Longrope's attention factor scales
+    the rotated dims only, as transformers scales its cos/sin before applying them to those dims.
+    """
+    angles = np.outer(np.asarray(positions, np.float64), config.inv_freq())  # [N, R/2]
+    angles = np.concatenate([angles, angles], axis=-1)  # [N, R]
+    factor = config.rope_attention_factor
+    rest = config.head_dim - config.rope_dims
+    cos = np.concatenate([np.cos(angles) * factor, np.ones((len(angles), rest))], axis=-1)  # [N, D]
+    sin = np.concatenate([np.sin(angles) * factor, np.zeros((len(angles), rest))], axis=-1)  # [N, D]
+    return cos, sin
+
 
 class RopeTable:
-    def __init__(self, *, head_dim: int, theta: float, max_positions: int, dtype=np.float32) -> None:
-        inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-        angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
-        angles = np.concatenate([angles, angles], axis=-1)  # [max_positions, D], HF's rotate_half layout
-        self.cos = np.cos(angles).astype(dtype)
-        self.sin = np.sin(angles).astype(dtype)
-        self.max_positions = max_positions
+    def __init__(self, config: ModelConfig, *, max_positions: int | None = None, dtype=np.float32) -> None:
+        self.max_positions = max_positions or config.max_positions
+        cos, sin = rope_cos_sin(config, np.arange(self.max_positions))
+        self.cos = cos.astype(dtype)  # [max_positions, D]
+        self.sin = sin.astype(dtype)
 
     def fill(self, positions: np.ndarray, *, cos_out: np.ndarray, sin_out: np.ndarray) -> None:
         """positions [B, AR] -> cos_out/sin_out [B, 1, AR, D], written in place."""

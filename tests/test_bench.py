@@ -116,6 +116,21 @@ def test_bad_threads_and_prompt_len(tiny_family):
                           "--prompt-len must be in 1..63")
 
 
+def test_only_runs_the_named_row_sets(tiny_family, tmp_path):
+    from staticlm.apps.bench.base import BenchOptions, Row
+    from staticlm.apps.bench.command import run_bench
+
+    def row(key: str):
+        return lambda ctx: [Row(key, key, "tokens", 1.0)]
+
+    result = run_bench(BenchOptions(model_dir=tiny_family, out_dir=tmp_path / "o", quick=True, only=("b",)),
+                       benchmarks=(("a", row("a")), ("b", row("b"))), show=False)
+    assert [r.key for r in result["rows"]] == ["b"]
+    assert_one_line_error(staticlm("bench", "--model", tiny_family, "--only", "speed,nope", "--out", tmp_path / "x"),
+                          "unknown row set nope for --only")
+    assert not (tmp_path / "x").exists()
+
+
 def test_row_sets_are_pluggable_and_a_failing_one_is_reported(tiny_family, tmp_path):
     from staticlm.apps.bench.base import BenchOptions, Row
     from staticlm.apps.bench.command import run_bench

@@ -185,7 +185,7 @@ def dequantized_state_dict(family: Path, cfg) -> dict:
         p = f"model.layers.{layer}."
         qkv = deq(f"l{layer}.qkv", h)
         gate_up = deq(f"l{layer}.gate_up", h)
-        sd.update({p + "self_attn.q_proj.weight": qkv[:hd] * np.sqrt(cfg.head_dim),  # the export folds 1/sqrt(d)
+        sd.update({p + "self_attn.q_proj.weight": qkv[:hd],
                    p + "self_attn.k_proj.weight": qkv[hd:hd + kvd], p + "self_attn.v_proj.weight": qkv[hd + kvd:],
                    p + "self_attn.o_proj.weight": deq(f"l{layer}.o", hd),
                    p + "mlp.gate_proj.weight": gate_up[:inter], p + "mlp.up_proj.weight": gate_up[inter:],

@@ -31,9 +31,10 @@ def _export(hf_dir: Path, out: Path, *, q4_1_source: bool = False, **quant) -> P
     from staticlm.export.sources import load_model
 
     model = load_model(hf_dir)
-    if q4_1_source:  # the projections as a Q4_1 GGUF holds them (the gguf package's quantizer)
-        model = dataclasses.replace(model, weights={n: _q4_1(w) if n.endswith("proj.weight") else w
-                                                    for n, w in model.weights.items()})
+    if q4_1_source:  # the projections as a Q4_1 GGUF holds them (the gguf package's quantizer), with their grids
+        grids = {n: _q4_1_grid(w) for n, w in model.weights.items() if n.endswith("proj.weight")}
+        model = dataclasses.replace(model, weights={**model.weights, **{n: g.dequantize() for n, g in grids.items()}},
+                                    grids=grids)
     options = ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,))
     export_quantized_family(model, out, options=options, quant=QuantOptions(calib_steps=24, **quant))
     return out
@@ -44,6 +45,15 @@ def _q4_1(w: np.ndarray) -> np.ndarray:
     from gguf.quants import dequantize, quantize
 
     return dequantize(quantize(w.astype(np.float32), GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
+
+
+def _q4_1_grid(w: np.ndarray):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from staticlm.export.sources.gguf_grids import decode_grid
+
+    return decode_grid(GGMLQuantizationType.Q4_1, quantize(w.astype(np.float32), GGMLQuantizationType.Q4_1), w.shape)
 
 
 @pytest.fixture(scope="session")
@@ -556,8 +566,7 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
     assert all(s.past.shape[1] == min(s.position, template.shape.past_len) for s in trimmed)
     assert any(s.position > template.shape.past_len for s in trimmed)
     c = loaded.config
-    feeds = StepFeeds(template.inputs, template.shape, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                      rope_theta=c.rope_theta, max_positions=c.max_positions, mask_value=-100.0)
+    feeds = StepFeeds(template.inputs, template.shape, config=c, mask_value=-100.0)
     for a, b in zip(trimmed, whole):
         fa, fb = feeds.feeds(a), feeds.feeds(b)
         assert fa.keys() == fb.keys() and all(np.array_equal(fa[k], fb[k]) for k in fa)
@@ -570,8 +579,7 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
     # decode token's row is what the decode graph (no padding) computes for it.
     import onnxruntime as ort
     decode = max((g for g in fm.graphs if g.shape.ar == 1), key=lambda g: g.shape.past_len)
-    decode_feeds = StepFeeds(decode.inputs, decode.shape, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                             rope_theta=c.rope_theta, max_positions=c.max_positions, mask_value=-100.0)
+    decode_feeds = StepFeeds(decode.inputs, decode.shape, config=c, mask_value=-100.0)
     run_template, run_decode = (ort.InferenceSession(str(tmp_path / "float" / g.file)).run for g in (template, decode))
     short = [s for s in trimmed if s.token_ids.size < template.shape.ar]
     assert sum(s.token_ids.size == 1 for s in short) >= 4
@@ -610,8 +618,7 @@ def test_calibration_replay_chunks_recompute_the_conversation(tiny_hf_dir, tmp_p
     assert [s.position for s in replay] == list(range(1, replay[-1].position + 1, TINY_PREFILL))
     prefill = max((g for g in fm.graphs if g.shape.ar == TINY_PREFILL), key=lambda g: g.shape.past_len)
     c = loaded.config
-    feeds = StepFeeds(prefill.inputs, prefill.shape, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                      rope_theta=c.rope_theta, max_positions=c.max_positions, mask_value=-100.0)
+    feeds = StepFeeds(prefill.inputs, prefill.shape, config=c, mask_value=-100.0)
     run = ort.InferenceSession(str(tmp_path / "float" / prefill.file)).run
     outputs = _kv_outputs(prefill, c.num_kv_heads)
     for step, later in zip(replay, replay[1:]):  # the later step's past holds what the engine wrote for this one

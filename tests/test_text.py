@@ -544,3 +544,116 @@ def test_message_validates_role():
     with pytest.raises(ValueError, match="role"):
         Message(role="robot", content="x")
     assert Message(role="tool", content="x").role == "tool"
+
+
+def test_message_from_openai_reads_what_an_openai_request_carries():
+    m = Message.from_openai({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": [1, \"é\"]}"}},
+        {"type": "function", "function": {"name": "g", "arguments": "not json"}},
+        {"type": "function", "function": {"name": "h", "arguments": ""}}]})
+    assert m.content is None and [c.name for c in m.tool_calls] == ["f", "g", "h"]
+    assert m.to_dict() == {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": [1, "é"]}}},
+        {"type": "function", "function": {"name": "g", "arguments": "not json"}},
+        {"type": "function", "function": {"name": "h", "arguments": {}}}]}
+    tool = Message.from_openai({"role": "tool", "tool_call_id": "c1", "name": "f", "content": "42"})
+    assert tool.to_dict() == {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}
+    parts = Message.from_openai({"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                  {"type": "text", "text": "b"}]})
+    assert (parts.role, parts.content) == ("system", "ab")
+    assert Message("user", "hi").to_dict() == {"role": "user", "content": "hi"}  # unset fields stay out
+    call = Message("assistant", "x", tool_calls=[{"function": {"name": "f", "arguments": {}}}]).tool_calls[0]
+    assert (call.name, call.arguments, call.id) == ("f", {}, None)
+    for bad in ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                {"role": "assistant", "tool_calls": [{"type": "function"}]},
+                {"role": "robot", "content": "x"}, "not a message"):
+        with pytest.raises(ValueError):
+            Message.from_openai(bad)
+
+
+TOOLS_TEMPLATE = (
+    "{%- set ns = namespace(calls=0, _ok=1) if false else namespace(calls=0) %}"
+    "{%- if tools %}TOOLS{{ tools | tojson }}{% endif %}"
+    "{%- for m in messages %}[{{ m.role }}]{{ m.content if m.content is defined else '<none>' }}"
+    "{%- if m.reasoning_content is defined %}(think:{{ m.reasoning_content }}|{{ m.thinking }}){% endif %}"
+    "{%- for c in m.tool_calls or [] %}{% set ns.calls = ns.calls + 1 %}"
+    "<call {{ c.function.name }} {{ c.function.arguments | tojson }} id={{ c.id }}>{% endfor %}"
+    "{%- if m.tool_call_id is defined %}(for {{ m.tool_call_id }} {{ m.name }}){% endif %}{% endfor %}"
+    "{{ dict(calls=ns.calls) | tojson }}{{ dict.fromkeys(['k']) | tojson }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    "{%- if add_generation_prompt %}>>{% endif %}"
+)
+
+
+def test_render_chat_with_tools_and_template_kwargs_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_raw_byte_level(), chat_template=TOOLS_TEMPLATE,
+                                              bos_token="<s>", eos_token="<|im_end|>")
+    tools = [{"type": "function", "function": {"name": "f", "description": "<é> & \"q\"",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    conversation = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "reasoning_content": "hmm",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "1", "tool_call_id": "c1", "name": "f"},
+    ]
+    for kwargs in ({}, {"enable_thinking": False}):
+        expected = hf.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True,
+                                          **kwargs)
+        got = render_chat(TOOLS_TEMPLATE, [Message.from_openai(m) for m in conversation], add_generation_prompt=True,
+                          bos_token="<s>", eos_token="<|im_end|>", tools=tools, template_kwargs=kwargs)
+        assert got == expected
+        assert render_chat(TOOLS_TEMPLATE, conversation, add_generation_prompt=True, bos_token="<s>",
+                           eos_token="<|im_end|>", tools=tools, template_kwargs=kwargs) == expected
+    with pytest.raises(ChatTemplateError):  # namespaces refuse underscore names, as transformers' do
+        render_chat("{% set ns = namespace(_x=1) %}", [], add_generation_prompt=False)
+
+
+def test_named_templates_are_picked_like_transformers():
+    transformers = pytest.importorskip("transformers")
+    named = {"default": "D{{ tools is none }}", "tool_use": "T{{ tools | length }}"}
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_raw_byte_level(), chat_template=named)
+    msgs = [{"role": "user", "content": "x"}]
+    for tools in (None, [{"type": "function", "function": {"name": "f"}}]):
+        assert render_chat(named, msgs, add_generation_prompt=False, tools=tools) == \
+            hf.apply_chat_template(msgs, tools=tools, tokenize=False)
+    with pytest.raises(ChatTemplateError, match="no default"):
+        render_chat({"a": "x"}, msgs, add_generation_prompt=False)
+
+
+def test_chat_format_tools_need_a_template():
+    from tokenizers import Tokenizer as HF
+
+    from staticlm.runtime.chat import ChatFormat
+    from staticlm.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(HF.from_str(tiny_tokenizer_json()), bos_token_id=BOS, eos_token_ids=[EOS])
+    plain = ChatFormat(tokenizer=tok, chat_template=None, bos_token=None, eos_token=None)
+    assert plain.render([Message("user", "hi")]) == "user: hi\nassistant: "
+    assert not plain.supports_tools
+    with pytest.raises(ValueError, match="tools"):
+        plain.prompt_ids([Message("user", "hi")], tools=[{"type": "function", "function": {"name": "f"}}])
+    fmt = ChatFormat(tokenizer=tok, chat_template=CHATML, bos_token="<s>", eos_token="<|im_end|>")
+    ids = fmt.prompt_ids([{"role": "user", "content": "hi"}], system_prompt="be brief")
+    assert ids == tok.encode(fmt.render([Message("user", "hi")], system_prompt="be brief"), add_special_tokens=False)
+
+
+def test_fitted_prompt_keeps_the_leading_system_message_and_the_tools():
+    from tokenizers import Tokenizer as HF
+
+    from staticlm.runtime.chat import ChatFormat
+    from staticlm.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(HF.from_str(tiny_tokenizer_json()), bos_token_id=BOS, eos_token_ids=[EOS])
+    template = "{% if tools %}T{{ tools | length }}|{% endif %}" + CHATML
+    fmt = ChatFormat(tokenizer=tok, chat_template=template, bos_token="<s>", eos_token="<|im_end|>")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    messages = [{"role": "system", "content": "RULES"}, Message("user", "old " * 50), Message("assistant", "a " * 50),
+                Message("user", "question?")]
+    full = fmt.prompt_ids(messages, tools=tools)
+    ids, dropped = fmt.fitted_prompt_ids(messages, system_prompt=None, max_tokens=len(full) - 10, tools=tools)
+    text = tok.decode(ids)
+    assert dropped == len(full) - len(ids) > 0
+    assert text.startswith("T1|") and "RULES" in text and "question?" in text and "old" not in text

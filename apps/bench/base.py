@@ -42,6 +42,7 @@ class BenchOptions:
     # A --cpu-attention windows family of the same model: the window strategies' rows when model_dir keeps its
     # KV in place (GroupQueryAttention graphs have no windows to manage)
     windows_model: Path | None = None
+    only: tuple[str, ...] = ()  # the row sets to run (command.BENCHMARKS' names); (): all of them
 
     @property
     def decode_steps(self) -> int:

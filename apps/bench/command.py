@@ -30,6 +30,7 @@ from .base import (
 )
 from .bmc import bench_bmc
 from .report import print_table, write_outputs
+from .serve import bench_serve
 from .spec import bench_responses, bench_speculative
 from .speed import bench_speed
 from .strategies import bench_strategies
@@ -41,6 +42,7 @@ BENCHMARKS: tuple[tuple[str, Benchmark], ...] = (
     ("strategies", bench_strategies),
     ("speculative", bench_speculative),
     ("responses", bench_responses),
+    ("serve", bench_serve),
 )
 MIN_TEXT_TOKENS = 64  # beyond the longest prompt or fill, so every slice of the text is full
 
@@ -104,6 +106,12 @@ def check_options(options: BenchOptions) -> None:
 def run_bench(options: BenchOptions, *, benchmarks: tuple[tuple[str, Benchmark], ...] = BENCHMARKS,
               show: bool = True) -> dict:
     check_options(options)
+    if options.only:
+        unknown = sorted(set(options.only) - {name for name, _bench in benchmarks})
+        if unknown:
+            raise BenchError(f"unknown row set {', '.join(unknown)} for --only: choose from "
+                             f"{', '.join(name for name, _bench in benchmarks)}")
+        benchmarks = tuple((name, bench) for name, bench in benchmarks if name in options.only)
     model_dir = resolve_model(options)
     max_context = _max_context(model_dir)
     contexts, prompt_len = resolve_sizes(options, max_context)
@@ -151,5 +159,6 @@ def _host() -> str:
 def run_bench_command(args: argparse.Namespace) -> int:
     run_bench(BenchOptions(model_dir=args.model, threads=args.threads, contexts=parse_contexts(args.contexts),
                            prompt_len=args.prompt_len, peers=parse_peers(args.peers), out_dir=args.out,
-                           quick=args.quick, long_gen=args.long_gen, windows_model=args.windows_model))
+                           quick=args.quick, long_gen=args.long_gen, windows_model=args.windows_model,
+                           only=tuple(x.strip() for x in (args.only or "").split(",") if x.strip())))
     return 0

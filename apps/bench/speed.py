@@ -27,10 +27,12 @@ def workload(ctx: BenchContext, model: str) -> dict:
 
 
 def _peer_gguf(ctx: BenchContext) -> Path | None:
-    """The GGUF the family was made from, when it is the default model's (the only source peers get)."""
-    if "SmolLM2-135M" not in load_manifest(ctx.model_dir).source:
-        return None
-    return default_gguf_path()
+    """The GGUF file the family was made from, which every peer runs (None for a checkpoint source)."""
+    source = load_manifest(ctx.model_dir).source
+    if "SmolLM2-135M" in source:
+        return default_gguf_path()
+    path = Path(source.removeprefix("GGUF ")) if source.startswith("GGUF ") else None
+    return path if path is not None and path.is_file() else None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -84,7 +86,7 @@ def bench_speed(ctx: BenchContext) -> list[Row]:
     for peer in ctx.options.peers:
         try:
             if gguf is None:
-                raise PeerUnavailable("peers run the default SmolLM2 weights; this family has another source")
+                raise PeerUnavailable("peers run the family's GGUF source; this family was not made from a GGUF file")
             systems[peer.value] = prepare(peer, gguf=gguf, log=ctx.log)
         except PeerUnavailable as e:
             skipped[peer.value] = str(e)

@@ -89,8 +89,9 @@ def parse_quant_options(*, quant: str | None, kv_bits: int | None, calib_steps: 
     return QuantOptions(quant=q, kv_bits=bits, **({"calib_steps": calib_steps} if calib_steps is not None else {}))
 
 
-# One target: (its progress steps, its family writer taking (loaded, out_dir, on_step), what it writes)
-Exporter = tuple[int, Callable[..., Manifest], str]
+# One target: (its progress steps for a model config, its family writer taking (loaded, out_dir, on_step), what it
+# writes)
+Exporter = tuple[Callable[[object], int], Callable[..., Manifest], str]
 
 
 def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | None, cpu_attention: str | None,
@@ -106,15 +107,16 @@ def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | 
         raise InvalidOption(f"--quant, --kv-bits and --calib-steps need --target htp, got --target {target}")
     if target == "cpu":
         cpu = parse_cpu_options(weight_bits=weight_bits, attention=cpu_attention)
-        return (num_cpu_steps(options), lambda loaded, out, on_step: export_cpu_family(
+        return (lambda config: num_cpu_steps(options, config), lambda loaded, out, on_step: export_cpu_family(
             loaded, out, options=options, cpu=cpu, on_step=on_step),
-            f"int{int(cpu.bits)} (head int{int(cpu.head)}) CPU, {cpu.attention.value} attention")
+            f"CPU ({cpu.attention.value} attention; float weights to int{int(cpu.bits)}, head int{int(cpu.head)})")
     if target == "htp":
         q = parse_quant_options(quant=quant, kv_bits=kv_bits, calib_steps=calib_steps)
         prompts = calibration_prompts()
-        return (num_quant_steps(options, len(prompts), q.quant), lambda loaded, out, on_step: export_quantized_family(
+        return (lambda _config: num_quant_steps(options, len(prompts), q.quant),
+                lambda loaded, out, on_step: export_quantized_family(
             loaded, out, options=options, quant=q, prompts=prompts, on_step=on_step), f"{q.quant.value} HTP")
-    return num_steps(options), lambda loaded, out, on_step: export_family(
+    return lambda _config: num_steps(options), lambda loaded, out, on_step: export_family(
         loaded, out, options=options, on_step=on_step), "float"
 
 
@@ -134,9 +136,15 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
                                               cpu_attention=cpu_attention, quant=quant, kv_bits=kv_bits,
                                               calib_steps=calib_steps)
     t0 = time.perf_counter()
-    with _progress(num_target_steps + 1, quiet=quiet, on_progress=on_progress) as report:
+    with _progress(1, quiet=quiet, on_progress=on_progress) as report:
         report(f"reading {model}", advance=0)
         loaded = load_model(model)
+        report("read", total=1 + num_target_steps(loaded.config))
+        if not quiet:
+            for line in (loaded.grid_summary() and f"keeping the GGUF's own weight grids: {loaded.grid_summary()}",
+                         loaded.requantized_warning()):
+                if line:
+                    print(line, file=sys.stderr)
         if draft_layers is not None:
             loaded = truncate_layers(loaded, draft_layers)
         report("writing weights")
@@ -151,21 +159,26 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
 @contextmanager
 def _progress(total: int, *, quiet: bool, on_progress: Callable[[str, int, int], None] | None
               ) -> Iterator[Callable[..., None]]:
-    """report(what, advance=1): a progress bar on stderr (stdout stays for results), or on_progress."""
+    """report(what, advance=1, total=None): a progress bar on stderr (stdout stays for results), or on_progress;
+    total, once the model is read, sets the number of steps."""
     if on_progress is not None:
         done = 0
 
-        def report(what: str, advance: int = 1) -> None:
+        def report(what: str, advance: int = 1, total: int | None = None) -> None:
             nonlocal done
             done += advance
-            on_progress(what, done, total)
+            size = total if total is not None else report.total
+            report.total = size
+            on_progress(what, done, size)
 
+        report.total = total
         yield report
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=Console(stderr=True), disable=quiet, transient=True) as progress:
         task = progress.add_task("", total=total)
-        yield lambda what, advance=1: progress.update(task, advance=advance, description=what)
+        yield lambda what, advance=1, total=None: progress.update(task, advance=advance, description=what,
+                                                                  **({"total": total} if total else {}))
 
 
 def run_export_command(args: argparse.Namespace) -> int:

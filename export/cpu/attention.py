@@ -28,23 +28,37 @@ MS_DOMAIN = "com.microsoft"
 
 
 class RopeTables:
-    """Per-graph RoPE inputs shared by every layer: position_ids [B, AR], cos/sin caches [B AR, D/2]."""
+    """Per-graph RoPE inputs shared by every layer: position_ids [B, AR], cos/sin caches [B AR, R/2] (R: the
+    rotated dims, rope_dims; the rest of each head passes through)."""
 
     def __init__(self, graph: CpuLlamaGraph) -> None:
-        g, s, d = graph.g, graph.s, graph.c.head_dim
+        g, s, d, r = graph.g, graph.s, graph.c.head_dim, graph.c.rope_dims
         rows = s.batch * s.ar
         self.position_ids = g.const(np.arange(rows).reshape(s.batch, s.ar))  # row r reads cache row r
+        self.rotary_dim = r
 
-        def half(name: str) -> str:  # [B, 1, AR, D] -> [B AR, D/2]: cos/sin repeat over the two halves
+        def half(name: str) -> str:  # [B, 1, AR, D] -> [B AR, R/2]: cos/sin repeat over the two halves
             flat = g.op("Reshape", name, g.const([rows, d]))
-            return g.op("Slice", flat, g.const([0]), g.const([d // 2]), g.const([1]))
+            return g.op("Slice", flat, g.const([0]), g.const([r // 2]), g.const([1]))
 
         self.cos, self.sin = half(Role.ROPE_COS.value), half(Role.ROPE_SIN.value)
 
     def apply(self, graph: CpuLlamaGraph, x: str, num_heads: int) -> str:
         """x [B, AR, n D] -> rotated [B, AR, n D]."""
+        partial = {"rotary_embedding_dim": self.rotary_dim} if self.rotary_dim < graph.c.head_dim else {}
         return graph.g.op("RotaryEmbedding", x, self.position_ids, self.cos, self.sin, domain=MS_DOMAIN,
-                          num_heads=num_heads, interleaved=0)
+                          num_heads=num_heads, interleaved=0, **partial)
+
+
+def head_norm(graph: CpuLlamaGraph, x: str, layer: int, kind: str, *, num_heads: int) -> str:
+    """[B, AR, n D] -> the q or k norm (kind) over each head's D dims when the architecture has one, else x."""
+    g, c, s = graph.g, graph.c, graph.s
+    if not c.qk_norm:
+        return x
+    x4 = g.op("Reshape", x, g.const([s.batch, s.ar, num_heads, c.head_dim]))  # [B, AR, n, D]
+    y = g.op("SimplifiedLayerNormalization", x4, g.weight(f"l{layer}.{kind}_norm"), axis=-1,
+             epsilon=float(c.rms_norm_eps))
+    return g.op("Reshape", y, g.const([s.batch, s.ar, num_heads * c.head_dim]))
 
 
 def grouped_bias(graph: CpuLlamaGraph) -> str:
@@ -95,8 +109,9 @@ def sequence_attention(graph: CpuLlamaGraph, layer: int, seq: int | None, *, q: 
     q_parts = _parts(graph, q, hkv, axis=1)
     # FusedMatMul transB reads the [P, D] window as K^T in place (no Transpose node, no copy).
     s_past = [g.op("FusedMatMul", q_parts[h], kv_name(Role.PAST_KEY, layer, h, seq), domain=MS_DOMAIN,
-                   transB=1, alpha=1.0) for h in range(hkv)]  # each [1, 1, g AR, P]
-    s_new = g.op("FusedMatMul", q, k, domain=MS_DOMAIN, transB=1, alpha=1.0)  # [1, Hkv, g AR, AR]
+                   transB=1, alpha=graph.c.attention_scale) for h in range(hkv)]  # each [1, 1, g AR, P]
+    s_new = g.op("FusedMatMul", q, k, domain=MS_DOMAIN, transB=1,
+                 alpha=graph.c.attention_scale)  # [1, Hkv, g AR, AR]
     scores = g.op("Concat", *s_past, s_new, axis=-1) if hkv == 1 else \
         g.op("Concat", g.op("Concat", *s_past, axis=1), s_new, axis=-1)  # [1, Hkv, g AR, P + AR]
     probs = g.op("Softmax", g.op("Add", scores, bias), axis=-1)
@@ -115,6 +130,8 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables, bia
     if c.attention_bias:
         qkv = g.op("Add", qkv, g.weight(f"l{layer}.qkv_bias"))
     q, k, v = g.op("Split", qkv, g.const([hd, kvd, kvd]), axis=-1, num_outputs=3)
+    q = head_norm(graph, q, layer, "q", num_heads=c.num_heads)
+    k = head_norm(graph, k, layer, "k", num_heads=c.num_kv_heads)
     q = to_heads(graph, rope.apply(graph, q, c.num_heads), num_heads=c.num_heads, group=c.group_size)
     k = to_heads(graph, rope.apply(graph, k, c.num_kv_heads), num_heads=c.num_kv_heads)  # [B, Hkv, AR, D]
     v = to_heads(graph, v, num_heads=c.num_kv_heads)

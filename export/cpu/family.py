@@ -33,10 +33,12 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
     """Write the family into out_dir atomically (see family.staged_family)."""
     config, options, cpu = model.config, options or ExportOptions(), cpu or CpuOptions()
     options.validate(config.max_positions)
+    config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
     step = on_step or (lambda _name: None)
     with staged_family(out_dir) as work:
         writer = WeightFileWriter(work / WEIGHTS_FILE)
-        write_cpu_weights(config, model.weights, writer, cpu)
+        plans = write_cpu_weights(config, model, writer, cpu,
+                                  on_layer=lambda i: step(f"weights of layer {i + 1}/{config.num_layers}"))
         weights_bytes, weights_sha = writer.close()
         step("weights")
         shapes = options.shapes()
@@ -48,7 +50,7 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
         hashes = {}
         for file, (kind, shape) in largest.items():
             last_only = _last_logits_only(cpu=cpu, kind=kind, shape=shape, prefill_len=options.prefill_len)
-            proto = CpuLlamaGraph(config, shape, weights=writer, options=cpu,
+            proto = CpuLlamaGraph(config, shape, weights=writer, options=cpu, plans=plans,
                                   last_logits_only=last_only).build(Path(file).stem)
             onnx.save_model(proto, work / file)
             hashes[file] = file_sha256(work / file)
@@ -66,7 +68,8 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
             special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
-            extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True})
+            extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True,
+                   **({"source_grids": model.grid_summary()} if model.grids else {})})
         manifest.save(work)
         step("manifest")
     return manifest
@@ -77,5 +80,6 @@ def _last_logits_only(*, cpu: CpuOptions, kind: GraphKind, shape: GraphShape, pr
     return cpu.attention is CpuAttention.GQA and kind is GraphKind.PREFILL and shape.ar == prefill_len
 
 
-def num_cpu_steps(options: ExportOptions) -> int:
-    return len({graph_file(kind, shape) for _n, kind, shape in options.shapes()}) + 2
+def num_cpu_steps(options: ExportOptions, config) -> int:
+    """One step per layer's weights, the rest of the weights, each graph file and the manifest."""
+    return config.num_layers + len({graph_file(kind, shape) for _n, kind, shape in options.shapes()}) + 2

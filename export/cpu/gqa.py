@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import Role, buffer_name
+from staticlm.runtime.rope import rope_cos_sin
 
-from .attention import _skip_norm, mlp
+from .attention import _skip_norm, head_norm, mlp
 
 if TYPE_CHECKING:
     from .graph import CpuLlamaGraph
@@ -30,27 +32,47 @@ MS_DOMAIN = "com.microsoft"
 ROPE_COS, ROPE_SIN = "rope_cos_half", "rope_sin_half"
 
 
-def rope_tables(*, head_dim: int, theta: float, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_positions, D/2]: GroupQueryAttention's caches (HF's rotate_half pairs i and i + D/2)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_positions, R/2]: GroupQueryAttention's caches (HF's rotate_half pairs i and i + R/2 of the
+    first R = rope_dims dims; longrope's attention factor included)."""
+    cos, sin = rope_cos_sin(config, np.arange(config.max_positions))  # [max_positions, D]
+    half = config.rope_dims // 2
+    return cos[:, :half].astype(np.float32), sin[:, :half].astype(np.float32)
 
 
 def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden]."""
     g, c = graph.g, graph.c
-    qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]; 1/sqrt(D) is folded into Wq
+    qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
     if c.attention_bias:
         qkv = g.op("Add", qkv, g.weight(f"l{layer}.qkv_bias"))
+    qkv_inputs, inner_rope = [qkv, "", ""], op_rotates(c)
+    if c.qk_norm or not inner_rope:  # q/k normed per head, then rotated, before the op (see op_rotates)
+        hd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = g.op("Split", qkv, g.const([hd, kvd, kvd]), axis=-1, num_outputs=3)
+        q = head_norm(graph, q, layer, "q", num_heads=c.num_heads)  # [B, AR, H D]
+        k = head_norm(graph, k, layer, "k", num_heads=c.num_kv_heads)  # [B, AR, Hkv D]
+        if not inner_rope:
+            q, k = (g.op("RotaryEmbedding", t, Role.POSITION_IDS.value, g.weight(ROPE_COS), g.weight(ROPE_SIN),
+                         domain=MS_DOMAIN, num_heads=n, interleaved=0, rotary_embedding_dim=c.rope_dims)
+                    for t, n in ((q, c.num_heads), (k, c.num_kv_heads)))
+        qkv_inputs = [q, k, v]
     past_k, past_v = buffer_name(Role.PAST_KEY, layer), buffer_name(Role.PAST_VALUE, layer)
-    inputs = [qkv, "", "", past_k, past_v, Role.SEQLENS_K.value, Role.TOTAL_LENGTH.value,
-              g.weight(ROPE_COS), g.weight(ROPE_SIN), Role.POSITION_IDS.value,
+    inputs = [*qkv_inputs, past_k, past_v, Role.SEQLENS_K.value, Role.TOTAL_LENGTH.value,
+              g.weight(ROPE_COS) if inner_rope else "", g.weight(ROPE_SIN) if inner_rope else "",
+              Role.POSITION_IDS.value if inner_rope else "",
               "", "", "", "", "", "", Role.QUERY_LENGTHS.value]  # attention_bias .. k_norm_weight unused
     outputs = [f"l{layer}_attn", buffer_name(Role.PRESENT_KEY, layer), buffer_name(Role.PRESENT_VALUE, layer)]
     g.op("GroupQueryAttention", *inputs, domain=MS_DOMAIN, outputs=outputs, num_heads=c.num_heads,
-         kv_num_heads=c.num_kv_heads, do_rotary=1, rotary_interleaved=0, scale=1.0)
+         kv_num_heads=c.num_kv_heads, do_rotary=int(inner_rope), rotary_interleaved=0, scale=c.attention_scale)
     return graph.linear(outputs[0], f"l{layer}.o")
+
+
+def op_rotates(config: ModelConfig) -> bool:
+    """Whether GroupQueryAttention's own RoPE can run: its cos cache width (R/2) must be a multiple of 8 (ORT).
+    Otherwise (a small partial rotary) q and k go through RotaryEmbedding first. (A q/k norm is applied before the
+    op too: the op's own q/k norm inputs are left unused.)"""
+    return (config.rope_dims // 2) % 8 == 0
 
 
 def decoder(graph: CpuLlamaGraph, h: str) -> str:

@@ -1,9 +1,9 @@
 """`--target cpu`: the Llama graph with MatMulNBits weights and a symbolic past length.
 
-- Every linear layer, the lm_head included, is ORT's MatMulNBits over block-quantized weights packed by
-  onnxruntime.quantization (never by hand). The tied head quantizes the embedding table along hidden, which
-  is exactly GatherBlockQuantized's layout for a uint8-packed table, so the embedding gathers from the same
-  bytes: the 49152 x 576 table is stored once, quantized, for both ends of the model.
+- Every linear layer, the lm_head included, is ORT's MatMulNBits: a GGUF source's own grid kept exactly, or a
+  float weight rounded by onnxruntime.quantization (linears.py, weights.py). The tied head's table is the
+  embedding quantized along hidden, which is exactly GatherBlockQuantized's layout for a uint8-packed table, so
+  the embedding gathers from the same bytes: the table is stored once, quantized, for both ends of the model.
 - Attention (CpuAttention): by default ORT's GroupQueryAttention over KV buffers it updates in place
   (gqa.py, KVLayout.IN_PLACE); `windows` keeps the float family's per-head past windows and new-row outputs
   (attention.py), which the kv_manager's four strategies and the BMC ladder manage.
@@ -14,191 +14,97 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum, IntEnum
-
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from staticlm.export.graph.llama import LlamaGraph, write_weights
+from staticlm.export.graph.llama import LlamaGraph
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.config import ModelConfig
-from staticlm.runtime.family.contract import KV_INPUT_ROLES, KVLayout, Role, graph_io, in_place_graph_io, kv_name
+from staticlm.runtime.family.contract import KV_INPUT_ROLES, Role, graph_io, in_place_graph_io, kv_name
 
 from .attention import decoder as windows_decoder
-from .gqa import ROPE_COS, ROPE_SIN, rope_tables
 from .gqa import decoder as gqa_decoder
-from .quant import BlockQuantizer, block_sum_matrix, correction_rows
+from .linears import FLOAT_BITS, OFFSET_BLOCK, LinearPlan, MatMulPart
+from .options import CpuAttention, CpuOptions, WeightBits
+from .quant import block_sum_matrix, correction_rows
+from .weights import EMBED, HEAD, write_cpu_weights
 
+__all__ = ["CpuAttention", "CpuLlamaGraph", "CpuOptions", "WeightBits", "write_cpu_weights"]
 MS_DOMAIN = "com.microsoft"
-QUANTIZED_SUFFIXES = (".qkv", ".o", ".gate_up", ".down", "head_t")
 PAST_DIM = "past_len"
 BIAS_DIM = "past_len_plus_ar"
 ROWS_DIM = "kv_rows"
 
 
-class CpuAttention(str, Enum):
-    # GroupQueryAttention, KV appended in place: fewer nodes and bindings per step than `windows` (see gqa.py)
-    GQA = "gqa"
-    WINDOWS = "windows"  # per-head past windows + new-row outputs: the kv_manager strategies and the BMC ladder
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        return KVLayout.IN_PLACE if self is CpuAttention.GQA else KVLayout.PER_HEAD
-
-
-class WeightBits(IntEnum):
-    INT4 = 4
-    INT8 = 8
-
-
-@dataclass(frozen=True)
-class CpuOptions:
-    bits: WeightBits = WeightBits.INT4
-    # The head/embedding table (a fifth of SmolLM2's weights; its GGUF source is 8-bit Q8_0) keeps 8 bits by
-    # default: at 4 bits it costs much of the top-1 agreement with float (`staticlm eval`, apps/data/eval_en.txt).
-    head_bits: WeightBits = WeightBits.INT8
-    block_size: int = 32
-    # Asymmetric, because SmolLM2's GGUF layers are asymmetric Q4_1: symmetric blocks lose much of the top-1
-    # agreement with float (both corrected, 8-bit head), though they decode faster.
-    symmetric: bool = False
-    # The head's GGUF source (Q8_0) is symmetric: a symmetric head agrees as well as an asymmetric one, for less CPU.
-    head_symmetric: bool = True
-    # 4: activations quantized to int8 per block, int8 dot products: faster than float compute (0/1) for M=1
-    # on AVX2, at the same agreement (the weights' rounding dominates the error).
-    accuracy_level: int = 4
-
-    # Extra K rows undoing each block's mean rounding error (quant.py): without them SmolLM2's 4-bit layers lose
-    # much of their top-1 agreement with float (see
-    # tests/test_cpu_target.py::test_smollm2_int4_top1_agrees_with_float_on_the_eval_text).
-    block_correction: bool = True
-    # Which layer linears carry them (kinds of `l{i}.{kind}`); each costs a MatMul and a Concat per layer.
-    # All four are worth it: leaving any kind out saves little decode time and loses top-1 agreement with float
-    # (`down` the most).
-    corrected: frozenset[str] = frozenset({"qkv", "o", "gate_up", "down"})
-    attention: CpuAttention = CpuAttention.GQA
-
-    def corrects(self, weight: str, k: int) -> bool:
-        """Whether layer weight `l{i}.{kind}` with K inputs carries correction rows (they must start a new block)."""
-        kind = weight.split(".", 1)[-1]
-        return self.block_correction and kind in self.corrected and k % self.block_size == 0
-
-    @property
-    def head(self) -> WeightBits:
-        return max(self.head_bits, self.bits)  # --weight-bits 8 means 8 everywhere
-
-    def validate(self, hidden_size: int) -> None:
-        if hidden_size % self.block_size:  # the embedding reads the head's rows as whole blocks
-            raise ValueError(f"block size {self.block_size} does not divide the hidden size {hidden_size}")
-
-    def to_dict(self) -> dict:
-        return {"format": "MatMulNBits", "bits": int(self.bits), "head_bits": int(self.head),
-                "block_size": self.block_size, "block_correction": self.block_correction,
-                "corrected": sorted(self.corrected) if self.block_correction else [],
-                "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
-                "accuracy_level": self.accuracy_level, "attention": self.attention.value}
-
-    def is_symmetric(self, weight: str) -> bool:
-        return self.head_symmetric if weight == "head_t" else self.symmetric
-
-
-class _FloatStash:
-    """A WeightFileWriter stand-in: collects write_weights' float arrays so they can be quantized first."""
-
-    def __init__(self) -> None:
-        self.arrays: dict[str, np.ndarray] = {}
-
-    def add(self, name: str, array: np.ndarray) -> None:
-        self.arrays[name] = array
-
-
-def write_cpu_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter,
-                      options: CpuOptions) -> None:
-    """Quantize once; write packed blobs, scales and zero points once, for every graph to reference.
-
-    Names: `{w}.q` [N, K'/block, blob] uint8, `{w}.scales` [N, K'/block], `{w}.zp` (asymmetric weights only);
-    K' = K + correction_rows(K) for layer weights with the block-mean correction (quant.py), else K.
-    """
-    options.validate(config.hidden_size)
-    stash = _FloatStash()
-    write_weights(config, hf, stash)  # the float layout ([in, out], fused qkv/gate_up, scale folded into Wq)
-    floats = stash.arrays
-    floats["head_t"] = (floats["embed"] if config.tie_word_embeddings else floats.pop("lm_head")).T  # [hidden, V]
-    del floats["embed"]  # the embedding gathers from the quantized head (see module doc)
-
-    def quantizer(name: str) -> BlockQuantizer:
-        bits = options.head if name == "head_t" else options.bits
-        return BlockQuantizer(bits=int(bits), block_size=options.block_size, symmetric=options.is_symmetric(name),
-                              accuracy_level=options.accuracy_level)
-
-    for name, array in floats.items():
-        if not name.endswith(QUANTIZED_SUFFIXES):
-            writer.add(name, np.asarray(array, np.float32))  # norms (and biases) stay float
-            continue
-        quant = quantizer(name)
-        if name != "head_t" and options.corrects(name, array.shape[0]):
-            array = quant.corrected(array)  # [K + correction_rows, N]
-        packed, scales, zero_points = quant.quantize(array)
-        writer.add(f"{name}.q", packed)
-        writer.add(f"{name}.scales", scales)
-        if zero_points is not None:
-            writer.add(f"{name}.zp", zero_points)
-    if options.attention is CpuAttention.GQA:  # [max_positions, D/2], shared by every graph and layer
-        cos, sin = rope_tables(head_dim=config.head_dim, theta=config.rope_theta, max_positions=config.max_positions)
-        writer.add(ROPE_COS, cos)
-        writer.add(ROPE_SIN, sin)
-
-
 class CpuLlamaGraph(LlamaGraph):
     def __init__(self, config: ModelConfig, shape, *, weights: WeightFileWriter, options: CpuOptions,
-                 last_logits_only: bool = False) -> None:
+                 plans: dict[str, LinearPlan], last_logits_only: bool = False) -> None:
         super().__init__(config, shape, weights=weights)
-        self.options = options
+        self.options, self.plans = options, plans  # plans: weights.write_cpu_weights' linears
         self.last_logits_only = last_logits_only  # in-place prompt graphs: see in_place_graph_io
         self._writer = weights
         self._split_sizes: str | None = None  # [P, AR] for split_probs, built on first use
 
-    def _nbits_inputs(self, weight: str) -> list[str]:
+    def _matmul_nbits(self, x: str, part: MatMulPart, *, k: int) -> str:
         g = self.g
-        names = [g.weight(f"{weight}.q"), g.weight(f"{weight}.scales")]
-        return names + ([] if self.options.is_symmetric(weight) else [g.weight(f"{weight}.zp")])
-
-    def _matmul_nbits(self, x: str, weight: str, *, k: int, n: int) -> str:
-        o = self.options
-        bits = o.head if weight == "head_t" else o.bits
-        return self.g.op("MatMulNBits", x, *self._nbits_inputs(weight), domain=MS_DOMAIN, K=k, N=n,
-                         bits=int(bits), block_size=o.block_size, accuracy_level=o.accuracy_level)
+        if part.bits == FLOAT_BITS:  # x [.., K] . W [N, K]^T, read in place
+            return g.op("FusedMatMul", x, g.weight(f"{part.weight}.w"), domain=MS_DOMAIN, transB=1, alpha=1.0)
+        inputs = [g.weight(f"{part.weight}.q"), g.weight(f"{part.weight}.scales")]
+        if part.zero_points:
+            inputs.append(g.weight(f"{part.weight}.zp"))
+        return g.op("MatMulNBits", x, *inputs, domain=MS_DOMAIN, K=k, N=part.n, bits=part.bits,
+                    block_size=part.block, accuracy_level=self.options.accuracy_level)
 
     def linear(self, x: str, weight: str) -> str:
-        k, n = self._float_shape(weight)
-        if self.options.corrects(weight, k):  # x -> [x, block sums of x] for the correction rows
-            block = self.options.block_size
-            sums = self.g.op("MatMul", x, self.g.const(block_sum_matrix(k, block), np.float32))  # [.., K/block]
-            x = self.g.op("Concat", x, sums, axis=-1)
-            k += correction_rows(k, block)
-        return self._matmul_nbits(x, weight, k=k, n=n)
+        """x [.., K] @ W: one MatMulNBits per part (linears.py), their outputs concatenated, plus the source
+        grid's block offsets S(x) C, S(x) [.., K/32] the sums of x over each block of 32."""
+        g, plan = self.g, self.plans[weight]
+        corrected_x = None
+        outs = []
+        for part in plan.parts:
+            if part.corrected:  # x -> [x, block sums of x] for the correction rows (quant.py)
+                if corrected_x is None:
+                    sums = g.op("MatMul", x, g.const(block_sum_matrix(plan.k, part.block), np.float32))
+                    corrected_x = g.op("Concat", x, sums, axis=-1)
+                outs.append(self._matmul_nbits(corrected_x, part, k=plan.k + correction_rows(plan.k, part.block)))
+            else:
+                outs.append(self._matmul_nbits(x, part, k=plan.k))
+        y = outs[0] if len(outs) == 1 else g.op("Concat", *outs, axis=-1)
+        if plan.offsets is None:
+            return y
+        return g.op("Add", y, g.op("MatMul", self._block_sums(x, k=plan.k, rank=2 if weight == HEAD else 3),
+                                   g.weight(plan.offsets)))
 
-    def _float_shape(self, weight: str) -> tuple[int, int]:
-        c = self.c
-        kind = weight.split(".", 1)[1]
-        kv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        return {"qkv": (c.hidden_size, kv), "o": (c.num_heads * c.head_dim, c.hidden_size),
-                "gate_up": (c.hidden_size, 2 * c.intermediate_size),
-                "down": (c.intermediate_size, c.hidden_size)}[kind]
+    def _block_sums(self, x: str, *, k: int, rank: int) -> str:
+        """x [.., K] -> [.., K/32]: a Reshape (no copy) and a ReduceSum."""
+        g, blocks = self.g, k // OFFSET_BLOCK
+        blocked = g.op("Reshape", x, g.const([0] * (rank - 1) + [blocks, OFFSET_BLOCK]))
+        return g.op("ReduceSum", blocked, g.const([-1]), keepdims=0)
 
     def embed(self, ids: str) -> str:
-        # The head's packed blob [V, K/block, blob] is the table [V, hidden] packed along hidden, low nibble first.
-        g, c, o = self.g, self.c, self.options
-        bits = int(o.head)
-        table = self._alias("head_t.q", "embed.q", (c.vocab_size, c.hidden_size * bits // 8))
-        inputs = [table, ids, g.weight("head_t.scales")]
-        if not o.is_symmetric("head_t"):
-            per_byte = 8 // bits
-            blocks = -(-c.hidden_size // o.block_size)
-            inputs.append(self._alias("head_t.zp", "embed.zp", (c.vocab_size, -(-blocks // per_byte))))
-        return g.op("GatherBlockQuantized", *inputs, domain=MS_DOMAIN, bits=bits, block_size=o.block_size,
-                    gather_axis=0, quantize_axis=1)
+        """Rows of the head's table (tied) or the embedding's own, read by GatherBlockQuantized from the packed
+        bytes [V, K/block, blob] viewed as [V, hidden bits/8] (no copy), plus the block offsets of a grid type
+        with minima."""
+        g, c, s = self.g, self.c, self.s
+        plan = self.plans[EMBED]
+        (part,) = plan.parts
+        if part.bits == FLOAT_BITS:
+            return g.op("Gather", g.weight(f"{part.weight}.w"), ids, axis=0)
+        table = self._alias(f"{part.weight}.q", f"{part.weight}.table", (c.vocab_size, c.hidden_size * part.bits // 8))
+        inputs = [table, ids, g.weight(f"{part.weight}.scales")]
+        if part.zero_points:
+            zp = self._writer.proto(f"{part.weight}.zp")
+            inputs.append(self._alias(f"{part.weight}.zp", f"{part.weight}.zp_rows", (c.vocab_size, zp.dims[-1])))
+        rows = g.op("GatherBlockQuantized", *inputs, domain=MS_DOMAIN, bits=part.bits, block_size=part.block,
+                    gather_axis=0, quantize_axis=1)  # [B, AR, hidden]
+        if plan.offsets is None:
+            return rows
+        blocks = c.hidden_size // OFFSET_BLOCK
+        offsets = g.op("Transpose", g.op("Gather", g.weight(plan.offsets), ids, axis=1), perm=[1, 2, 0])  # [B, AR, nb]
+        rows = g.op("Reshape", rows, g.const([s.batch, s.ar, blocks, OFFSET_BLOCK]))
+        rows = g.op("Add", rows, g.op("Unsqueeze", offsets, g.const([-1])))
+        return g.op("Reshape", rows, g.const([s.batch, s.ar, c.hidden_size]))
 
     def _alias(self, stored: str, alias: str, shape: tuple[int, ...]) -> str:
         """Another name and shape over the same bytes of the weight file (no copy)."""
@@ -211,7 +117,7 @@ class CpuLlamaGraph(LlamaGraph):
         return alias
 
     def lm_head(self, h: str) -> str:
-        return self._matmul_nbits(h, "head_t", k=self.c.hidden_size, n=self.c.vocab_size)
+        return self.linear(h, HEAD)
 
     def split_probs(self, probs: str) -> list[str]:
         """[.., P + AR] -> [.., P], [.., AR]: one Split per layer; P is symbolic, so its size is read once

@@ -16,9 +16,29 @@ from staticlm.runtime.family.contract import GraphShape, Role, graph_io, kv_name
 from .builder import GraphBuilder
 
 
+def attention_weights(config: ModelConfig, hf: dict[str, np.ndarray], layer: int) -> dict[str, np.ndarray]:
+    """One layer's attention tensors in HF [out, in] layout, float32: q, k, v (+ q_bias, k_bias, v_bias,
+    q_norm, k_norm as the config declares them).
+
+    The softmax scale (config.attention_scale) is folded in here, the one place: into the q norm's weight when
+    the architecture norms q (a norm would undo a scale folded before it), else into Wq and its bias. Both
+    commute with RoPE, which is linear."""
+    p, f32, scale = f"model.layers.{layer}.self_attn.", np.float32, config.attention_scale
+    out = {x: hf[p + f"{x}_proj.weight"].astype(f32) for x in "qkv"}
+    if config.attention_bias:
+        out.update({f"{x}_bias": hf[p + f"{x}_proj.bias"].astype(f32) for x in "qkv"})
+    if config.qk_norm:
+        out["q_norm"] = (hf[p + "q_norm.weight"] * scale).astype(f32)  # [D]
+        out["k_norm"] = hf[p + "k_norm.weight"].astype(f32)  # [D]
+    else:
+        out["q"] = (out["q"] * scale).astype(f32)
+        if config.attention_bias:
+            out["q_bias"] = (out["q_bias"] * scale).astype(f32)
+    return out
+
+
 def write_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
     """Lay out HF-named float weights the way the graph consumes them ([in, out], fused)."""
-    scale = 1.0 / np.sqrt(config.head_dim)  # folded into Wq: RoPE is linear, so this commutes
     f32 = np.float32
     writer.add("embed", hf["model.embed_tokens.weight"].astype(f32))  # [V, hidden]
     writer.add("final_norm", hf["model.norm.weight"].astype(f32))
@@ -26,14 +46,14 @@ def write_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: Weight
         writer.add("lm_head", hf["lm_head.weight"].astype(f32))  # [V, hidden], used with transB
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
-        q = hf[p + "self_attn.q_proj.weight"] * scale
-        qkv = np.concatenate([q, hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]])
+        a = attention_weights(config, hf, layer)
         writer.add(f"l{layer}.attn_norm", hf[p + "input_layernorm.weight"].astype(f32))
-        writer.add(f"l{layer}.qkv", qkv.T.astype(f32))  # [hidden, (H + 2 Hkv) D]
+        writer.add(f"l{layer}.qkv", np.concatenate([a["q"], a["k"], a["v"]]).T.astype(f32))  # [hidden, (H + 2 Hkv) D]
         if config.attention_bias:
-            bias = np.concatenate([hf[p + "self_attn.q_proj.bias"] * scale, hf[p + "self_attn.k_proj.bias"],
-                                   hf[p + "self_attn.v_proj.bias"]])
-            writer.add(f"l{layer}.qkv_bias", bias.astype(f32))
+            writer.add(f"l{layer}.qkv_bias", np.concatenate([a["q_bias"], a["k_bias"], a["v_bias"]]).astype(f32))
+        if config.qk_norm:
+            writer.add(f"l{layer}.q_norm", a["q_norm"])  # [D]
+            writer.add(f"l{layer}.k_norm", a["k_norm"])  # [D]
         writer.add(f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32))  # [H D, hidden]
         writer.add(f"l{layer}.mlp_norm", hf[p + "post_attention_layernorm.weight"].astype(f32))
         gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
@@ -56,17 +76,29 @@ class LlamaGraph:
                     g.op("Sqrt", g.op("Add", var, g.const(self.c.rms_norm_eps, np.float32))))
         return g.op("Mul", g.op("Mul", x, rstd), g.weight(weight))
 
-    def rope(self, x: str, cos: str, sin: str) -> str:
-        g, half = self.g, self.c.head_dim // 2
-        x1, x2 = g.op("Split", x, g.const([half, half]), axis=-1, num_outputs=2)
-        rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+    def rope(self, x: str, cos: str, sin: str, *, out: str | None = None) -> str:
+        """x [.., D] rotated by cos/sin [.., D] (rotate_half over the first rope_dims dims; the rest pass through,
+        the tables holding 1 and 0 there); out names the result."""
+        g, c = self.g, self.c
+        half, rest = c.rope_dims // 2, c.head_dim - c.rope_dims
+        sizes = [half, half] + ([rest] if rest else [])
+        parts = g.op("Split", x, g.const(sizes), axis=-1, num_outputs=len(sizes))
+        rotated = g.op("Concat", g.op("Neg", parts[1]), parts[0], *parts[2:], axis=-1)
+        y = g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin), **({"outputs": [out]} if out else {}))
+        return out or y
 
-    def heads(self, x: str, num_heads: int) -> str:
-        """[B, AR, n D] -> [B, n, AR, D]"""
+    def head_norm(self, x: str, layer: int, kind: str) -> str:
+        """[.., D] -> the q or k norm (kind) over head_dim when the architecture has one, else x."""
+        return self.rms_norm(x, f"l{layer}.{kind}_norm") if self.c.qk_norm else x
+
+    def heads(self, x: str, num_heads: int, *, norm: tuple[int, str] | None = None) -> str:
+        """[B, AR, n D] -> [B, n, AR, D]; norm (layer, "q" | "k"): the head norm, applied in the [B, AR, n, D]
+        order (on HTP a norm after the Transpose loses precision: see tests/test_architectures.py)."""
         g, s = self.g, self.s
-        return g.op("Transpose", g.op("Reshape", x, g.const([s.batch, s.ar, num_heads, self.c.head_dim])),
-                    perm=[0, 2, 1, 3])
+        x4 = g.op("Reshape", x, g.const([s.batch, s.ar, num_heads, self.c.head_dim]))  # [B, AR, n, D]
+        if norm is not None:
+            x4 = self.head_norm(x4, *norm)
+        return g.op("Transpose", x4, perm=[0, 2, 1, 3])
 
     def attention(self, layer: int, x: str, cos: str, sin: str, bias: str) -> str:
         g, c, s = self.g, self.c, self.s
@@ -75,8 +107,8 @@ class LlamaGraph:
         if c.attention_bias:
             qkv = g.op("Add", qkv, g.weight(f"l{layer}.qkv_bias"))
         q, k, v = g.op("Split", qkv, g.const([hd, kvd, kvd]), axis=-1, num_outputs=3)
-        q = self.rope(self.heads(q, c.num_heads), cos, sin)  # [B, H, AR, D]
-        k = self.rope(self.heads(k, c.num_kv_heads), cos, sin)  # [B, Hkv, AR, D]
+        q = self.rope(self.heads(q, c.num_heads, norm=(layer, "q")), cos, sin)  # [B, H, AR, D]
+        k = self.rope(self.heads(k, c.num_kv_heads, norm=(layer, "k")), cos, sin)  # [B, Hkv, AR, D]
         v = self.heads(v, c.num_kv_heads)
         if s.batch == 1:
             o = self.sequence_attention(layer, None, q, k, v, bias)

@@ -25,6 +25,7 @@ from onnxruntime.quantization import CalibrationDataReader
 
 from staticlm.kv_manager import attention_bias
 from staticlm.runtime.device import Device
+from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, TensorSpec, kv_tensor_index
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
@@ -218,11 +219,12 @@ def _long_conversation(rec: _Recorder, prompt_ids: list[list[int]], *, num_steps
 class StepFeeds:
     """Re-windows recorded steps for one graph shape: the feeds the runtime would have bound."""
 
-    def __init__(self, inputs: tuple[TensorSpec, ...], shape: GraphShape, *, num_kv_heads: int, head_dim: int,
-                 rope_theta: float, max_positions: int, mask_value: float) -> None:
+    def __init__(self, inputs: tuple[TensorSpec, ...], shape: GraphShape, *, config: ModelConfig,
+                 mask_value: float) -> None:
         self.shape, self.mask_value = shape, mask_value
         self._bias = attention_bias
-        self._rope = RopeTable(head_dim=head_dim, theta=rope_theta, max_positions=max_positions)
+        self._rope = RopeTable(config)
+        num_kv_heads = config.num_kv_heads
         self._kv = [(s.name, kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=s.role == KV_INPUT_ROLES[1],
                                              num_kv_heads=num_kv_heads)) for s in inputs if s.role in KV_INPUT_ROLES]
 

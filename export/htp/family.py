@@ -37,8 +37,9 @@ from staticlm.runtime.family.quant_params import FamilyQuant, Quant, TensorQuant
 from staticlm.runtime.model import chat_format
 
 from . import gptq
-from .blocks import grid_overrides, grid_weights, to_block_weights
+from .blocks import grid_overrides, to_block_weights
 from .calibration import StepFeeds, Traces, calibration_prompts, record_traces, trace_reader
+from .grids import ProjectionGrids
 from .kv_only import add_kv_boundary
 from .qdq import (
     Ranges,
@@ -68,15 +69,16 @@ def _widened(lo: float, hi: float, factor: float) -> tuple[float, float]:
     return lo * factor if lo < 0 else lo, hi * factor if hi > 0 else hi
 
 
-def family_quant(traces: Traces, quant: QuantOptions) -> FamilyQuant:
-    """Boundary parameters from the traces: KV per tensor from the union of past and new ranges."""
+def family_quant(traces: Traces, quant: QuantOptions, *, rope_bound: float = 1.0) -> FamilyQuant:
+    """Boundary parameters from the traces: KV per tensor from the union of past and new ranges. rope_bound: the
+    largest |cos|, |sin| (longrope's attention factor scales them past 1)."""
     dtype = quant.kv_bits.dtype
     kv = tuple(TensorQuant.from_range(*_widened(lo, hi, KV_HEADROOM[dtype]), dtype)
                for lo, hi in zip(traces.kv_min, traces.kv_max))
     if quant.quant is Quant.KV_ONLY:
         return FamilyQuant(quant=quant.quant, kv=kv)
     logits = _widened(traces.logits_min, traces.logits_max, LOGITS_HEADROOM)
-    return FamilyQuant(quant=quant.quant, kv=kv, rope=TensorQuant.from_range(-1.0, 1.0, "uint16"),
+    return FamilyQuant(quant=quant.quant, kv=kv, rope=TensorQuant.from_range(-rope_bound, rope_bound, "uint16"),
                        mask=TensorQuant.from_range(quant.mask_value, 0.0, "uint16"),
                        logits=TensorQuant.from_range(*logits, "uint16"), mask_value=quant.mask_value)
 
@@ -97,7 +99,8 @@ def _projection_weights(config) -> list[str]:
 
 
 def _norm_weights(config) -> list[str]:
-    return ["final_norm"] + [f"l{layer}.{n}" for layer in range(config.num_layers) for n in ("attn_norm", "mlp_norm")]
+    kinds = ("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if config.qk_norm else ())
+    return ["final_norm"] + [f"l{layer}.{n}" for layer in range(config.num_layers) for n in kinds]
 
 
 def weight_overrides(quant: Quant, config) -> dict[str, list[dict]]:
@@ -166,21 +169,20 @@ class _Template:
 
 def _step_feeds(fm: Manifest, *, fq: FamilyQuant, config) -> StepFeeds:
     entry = template_entry(fm.graphs)
-    return StepFeeds(entry.inputs, entry.shape, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                     rope_theta=config.rope_theta, max_positions=config.max_positions, mask_value=fq.mask_value)
+    return StepFeeds(entry.inputs, entry.shape, config=config, mask_value=fq.mask_value)
 
 
 def _step_reader(fm: Manifest, steps, *, fq: FamilyQuant, config):
     return trace_reader(_step_feeds(fm, fq=fq, config=config), steps)
 
 
-def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, config) -> dict[str, list[dict]]:
+def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, config,
+                    grids: ProjectionGrids) -> dict[str, list[dict]]:
     """GPTQ-round the 8-bit projection weights in the scratch float family's weight file (gptq.py)."""
     from onnxruntime.quantization import QuantType
 
     path = float_dir / template_entry(fm.graphs).file
-    exact = set(grid_weights(onnx.load(str(path), load_external_data=False)))  # kept on the source's grid
-    weights = [w for w in _projection_weights(config) if w not in exact]
+    weights = [w for w in _projection_weights(config) if w not in grids]  # a grid is kept as the source has it
     if not weights:
         return {}
     feeds = _step_feeds(fm, fq=fq, config=config)
@@ -190,13 +192,15 @@ def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, co
 
 def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq: FamilyQuant,
                         quant: QuantOptions, config, shared: _SharedInitializers,
-                        rounded: dict[str, list[dict]] | None = None) -> _Template:
-    """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps."""
+                        rounded: dict[str, list[dict]] | None = None,
+                        grids: ProjectionGrids | None = None) -> _Template:
+    """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps; grids: the
+    projections that keep the source's grid (none when not given)."""
     entry = template_entry(fm.graphs)
     pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
     float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
-    on_grid = grid_weights(float_proto)
-    grid = grid_overrides(on_grid, float_proto)
+    grids = ProjectionGrids(config, {}) if grids is None else grids
+    grid = grid_overrides(grids, float_proto)
     qpath = work / "q" / entry.file
     qpath.parent.mkdir()
     ranges = quantize_graph(float_dir / entry.file, qpath, reader=_step_reader(fm, steps, fq=fq, config=config),
@@ -206,9 +210,8 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
     # 4-bit weights of a float source go per block too: one 4-bit scale per channel costs far more agreement
     # with float than one per block. 8-bit ones stay per channel, GPTQ-rounded (`rounded`).
     four_bit = quant.quant is Quant.W4A16
-    float_blocks = frozenset(set(_projection_weights(config)) - set(on_grid)) if four_bit else frozenset()
-    to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, bits=4 if four_bit else 8,
-                     float_blocks=float_blocks)
+    float_blocks = frozenset(set(_projection_weights(config)) - set(grids.names())) if four_bit else frozenset()
+    to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, grids=grids, float_blocks=float_blocks)
     shared.absorb(proto)
     shutil.rmtree(qpath.parent)
     return _Template(proto=proto, float_proto=float_proto, ranges=ranges,
@@ -243,6 +246,7 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
     config, out_dir = model.config, Path(out_dir)
     options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see graph.py
     options.validate(config.max_positions)
+    config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
     step = on_step or (lambda _name: None)
     with staged_family(out_dir) as final, tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.q.",
                                                                       dir=out_dir.parent) as scratch:
@@ -254,7 +258,7 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
         traces = record_traces(float_dir, ids, max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS,
                                eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
                                max_past_rows=template_entry(fm.graphs).shape.past_len)
-        fq = family_quant(traces, quant)
+        fq = family_quant(traces, quant, rope_bound=config.rope_attention_factor)
         if quant.quant is Quant.KV_ONLY:  # float weights, unchanged: the float family's file as it is
             shutil.copyfile(float_dir / WEIGHTS_FILE, final / WEIGHTS_FILE)
             weights_bytes, weights_sha = fm.weights_bytes, fm.weights_sha256
@@ -263,11 +267,12 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
             shared = _SharedInitializers(writer)
             # w8a16 only: w4a16 agreed with float less well with it (each layer's own output error fell, but 4-bit
             # layers feed the next ones inputs far from the float ones it is fit to)
-            rounded = (_gptq_overrides(float_dir, fm, traces.family_steps + traces.replay_steps, fq=fq, config=config)
-                       if quant.quant is Quant.W8A16 else None)
+            grids = ProjectionGrids(config, model.grids, eight_bit=quant.quant is Quant.W8A16)
+            rounded = (_gptq_overrides(float_dir, fm, traces.family_steps + traces.replay_steps, fq=fq, config=config,
+                                       grids=grids) if quant.quant is Quant.W8A16 else None)
             step("GPTQ")
             template = _quantized_template(float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant,
-                                           config=config, shared=shared, rounded=rounded)
+                                           config=config, shared=shared, rounded=rounded, grids=grids)
             sink = _sink_template(template, float_dir, fm, traces.sink_steps, fq=fq, config=config)
             step("quantized template")
         entries = []

@@ -16,12 +16,21 @@ Batch 1 only (the HTP family exports no batched graphs).
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 from onnx import helper
 
-from staticlm.export.graph.llama import LlamaGraph
-from staticlm.export.source_grid import block_grid, block_indicator, block_sum_name, offsets_name
+from staticlm.export.graph.llama import LlamaGraph, attention_weights
+from staticlm.export.htp.grids import (
+    ProjectionGrids,
+    block_sum_name,
+    offsets_name,
+    output_scale_name,
+    q_factor,
+)
+from staticlm.export.source_grid import block_indicator
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import GraphShape, Role, graph_io, kv_name
@@ -29,23 +38,30 @@ from staticlm.runtime.family.contract import GraphShape, Role, graph_io, kv_name
 HTP_OPSET = 21
 
 
-def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray) -> None:
-    """An [in, out] projection; one exactly on a 4-bit block grid is stored as its symmetric part, block
-    offsets (source_grid.py), which HTPLlamaGraph.linear and blocks.py read."""
-    grid = block_grid(w)
+def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray, grids: ProjectionGrids) -> None:
+    """An [in, out] projection; one with a source grid (grids.py) is stored as its symmetric part, plus block
+    offsets for types with minima, which HTPLlamaGraph.linear reads (blocks.py makes the exact blockwise
+    DequantizeLinear from the same grid)."""
+    grid = grids.get(name)
     if grid is None:
         writer.add(name, w)
         return
     writer.add(name, grid.symmetric_part())
-    writer.add(offsets_name(name), grid.offsets)  # [K/32, N]
-    if block_sum_name(w.shape[0]) not in writer:
-        writer.add(block_sum_name(w.shape[0]), block_indicator(w.shape[0]))  # [K, K/32]
+    if grid.offsets is not None:
+        writer.add(offsets_name(name), grid.offsets)  # [K/32, N]
+        if block_sum_name(w.shape[0]) not in writer:
+            writer.add(block_sum_name(w.shape[0]), block_indicator(w.shape[0]))  # [K, K/32]
 
 
-def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
-    """Like export/graph/llama.py's write_weights, but Q, each K head and each V head are separate [in, out] tensors."""
-    c, f32 = config, np.float32
-    scale = 1.0 / np.sqrt(c.head_dim)  # folded into Wq, as in the float family
+def write_htp_weights(config: ModelConfig, model, *, writer: WeightFileWriter) -> None:
+    """Like export/graph/llama.py's write_weights, but Q, each K head and each V head are separate [in, out] tensors.
+
+    model: a LoadedModel (HF-named float32 `weights`, and the source's exact `grids`)."""
+    c, f32, hf = config, np.float32, model.weights
+    grids = ProjectionGrids(config, model.grids)
+    if grids.rounded_again:
+        warnings.warn(f"{len(grids.rounded_again)} quantized tensors share an HTP weight with a float one: rounded "
+                      "again as a float source", stacklevel=2)
     # Tied or not, the head gets its own [hidden, V] table: quantized per vocab column it keeps the logits'
     # order (one per-tensor 8-bit table for Gather and head cost SmolLM2 top-1 agreement; QNN's Gather
     # cannot read a per-column table). The quantized copy costs 2 V x hidden bytes (16-bit: 56 MB for SmolLM2).
@@ -55,22 +71,29 @@ def write_htp_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: We
     writer.add("final_norm", hf["model.norm.weight"].astype(f32))
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."
+        a = attention_weights(c, hf, layer)  # the softmax scale folded in, as in the float family
         writer.add(f"l{layer}.attn_norm", hf[p + "input_layernorm.weight"].astype(f32))
-        _add_projection(writer, f"l{layer}.q", (hf[p + "self_attn.q_proj.weight"] * scale).T.astype(f32))
+        # A grid q takes the softmax scale in its scales where that is exact, else as a Mul (grids.q_factor)
+        _add_projection(writer, f"l{layer}.q", a["q"].T.astype(f32), grids)
+        if f"l{layer}.q" in grids and q_factor(c)[1]:
+            writer.add(output_scale_name(f"l{layer}.q"), np.array([c.attention_scale], f32))
         if c.attention_bias:
-            writer.add(f"l{layer}.q_bias", (hf[p + "self_attn.q_proj.bias"] * scale).astype(f32))
+            writer.add(f"l{layer}.q_bias", a["q_bias"])
+        if c.qk_norm:
+            writer.add(f"l{layer}.q_norm", a["q_norm"])  # [D]
+            writer.add(f"l{layer}.k_norm", a["k_norm"])  # [D]
         for kind in ("k", "v"):
-            w = hf[p + f"self_attn.{kind}_proj.weight"]  # [Hkv D, hidden]
+            w = a[kind]  # [Hkv D, hidden]
             for h in range(c.num_kv_heads):
                 rows = slice(h * c.head_dim, (h + 1) * c.head_dim)
-                _add_projection(writer, f"l{layer}.{kind}_h{h}", w[rows].T.astype(f32))  # [hidden, D]
+                _add_projection(writer, f"l{layer}.{kind}_h{h}", w[rows].T.astype(f32), grids)  # [hidden, D]
                 if c.attention_bias:
-                    writer.add(f"l{layer}.{kind}_bias_h{h}", hf[p + f"self_attn.{kind}_proj.bias"][rows].astype(f32))
-        _add_projection(writer, f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32))
+                    writer.add(f"l{layer}.{kind}_bias_h{h}", a[f"{kind}_bias"][rows])
+        _add_projection(writer, f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32), grids)
         writer.add(f"l{layer}.mlp_norm", hf[p + "post_attention_layernorm.weight"].astype(f32))
         gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-        _add_projection(writer, f"l{layer}.gate_up", gate_up.T.astype(f32))
-        _add_projection(writer, f"l{layer}.down", hf[p + "mlp.down_proj.weight"].T.astype(f32))
+        _add_projection(writer, f"l{layer}.gate_up", gate_up.T.astype(f32), grids)
+        _add_projection(writer, f"l{layer}.down", hf[p + "mlp.down_proj.weight"].T.astype(f32), grids)
 
 
 class HTPLlamaGraph(LlamaGraph):
@@ -83,16 +106,27 @@ class HTPLlamaGraph(LlamaGraph):
         self.g.opset = HTP_OPSET
 
     def rms_norm(self, x: str, weight: str) -> str:
+        return self._norm(x, weight, shape=[self.s.batch, self.s.ar, self.c.hidden_size])
+
+    def head_norm(self, x: str, layer: int, kind: str) -> str:
+        """q [1, AR, H, D] (heads' order before their Transpose) or one k head [1, 1, AR, D]: the q/k norm when the
+        architecture has one."""
+        if not self.c.qk_norm:
+            return x
+        shape = [1, self.s.ar, self.c.num_heads, self.c.head_dim] if kind == "q" else [1, 1, self.s.ar, self.c.head_dim]
+        return self._norm(x, f"l{layer}.{kind}_norm", shape=shape)
+
+    def _norm(self, x: str, weight: str, *, shape: list[int]) -> str:
         y = self.g.op("SimplifiedLayerNormalization", x, self.g.weight(weight), axis=-1,
                       epsilon=float(self.c.rms_norm_eps), stash_type=1)
-        self._norm_outputs.append(y)
+        self._norm_outputs.append((y, shape))
         return y
 
     def build(self, name: str):
         """As LlamaGraph.build, but the head is a MatMul over its own [hidden, V] table: QNN HTP rejects the
         16-bit x 8-bit Gemm(transB) (FullyConnected, validation error 3110)."""
         g, c, s = self.g, self.c, self.s
-        self._norm_outputs: list[str] = []
+        self._norm_outputs: list[tuple[str, list[int]]] = []  # each with its shape
         self._block_sums: dict[str, str] = {}  # input -> its block sums
         inputs, outputs = graph_io(c, s)
         head = g.weight("lm_head_t")  # [hidden, V]
@@ -106,23 +140,25 @@ class HTPLlamaGraph(LlamaGraph):
                         doc=f"staticlm {name} (HTP style): AR={s.ar}, P={s.past_len}, S={s.context}")
         # onnx shape inference does not know this ORT op; without a declared type the quantizer skips
         # every tensor downstream of it (the final norm feeds the lm_head).
-        shape = [self.s.batch, self.s.ar, self.c.hidden_size]
         model.graph.value_info.extend(helper.make_tensor_value_info(y, onnx.TensorProto.FLOAT, shape)
-                                      for y in self._norm_outputs)
+                                      for y, shape in self._norm_outputs)
         return model
 
     def linear(self, x: str, weight: str, *, out: str | None = None) -> str:
-        """x @ W, or for a weight on the source's block grid x @ Wq + (x E) @ C (source_grid.py)."""
+        """x @ W; for a source grid with minima x @ Wl + (x E) @ C (grids.py); times the weight's output scale
+        where it has one (a grid q's softmax scale that its scales cannot take exactly)."""
         g = self.g
         named = {"outputs": [out]} if out else {}
-        if offsets_name(weight) not in g.weights:
-            y = g.op("MatMul", x, g.weight(weight), **named)
-            return out or y
-        k = g.weights.proto(weight).dims[0]
-        if x not in self._block_sums:  # [.., K/32]: once per input, shared by the weights that read it
-            self._block_sums[x] = g.op("MatMul", x, g.weight(block_sum_name(k)))
-        offsets = g.op("MatMul", self._block_sums[x], g.weight(offsets_name(weight)))
-        y = g.op("Add", g.op("MatMul", x, g.weight(weight)), offsets, **named)
+        has_offsets, scaled = offsets_name(weight) in g.weights, output_scale_name(weight) in g.weights
+        y = g.op("MatMul", x, g.weight(weight), **({} if has_offsets or scaled else named))
+        if has_offsets:
+            k = g.weights.proto(weight).dims[0]
+            if x not in self._block_sums:  # [.., K/32]: once per input, shared by the weights that read it
+                self._block_sums[x] = g.op("MatMul", x, g.weight(block_sum_name(k)))
+            offsets = g.op("MatMul", self._block_sums[x], g.weight(offsets_name(weight)))
+            y = g.op("Add", y, offsets, **({} if scaled else named))
+        if scaled:
+            y = g.op("Mul", y, g.weight(output_scale_name(weight)), **named)
         return out or y
 
     def _project(self, x4: str, weight: str, bias: str | None, out: str | None) -> str:
@@ -132,13 +168,6 @@ class HTPLlamaGraph(LlamaGraph):
         y = self.g.op("Add", self.linear(x4, weight), self.g.weight(bias), **({"outputs": [out]} if out else {}))
         return out or y
 
-    def _rope_named(self, x: str, cos: str, sin: str, out: str) -> str:
-        g, half = self.g, self.c.head_dim // 2
-        x1, x2 = g.op("Split", x, g.const([half, half]), axis=-1, num_outputs=2)
-        rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-        g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin), outputs=[out])
-        return out
-
     def attention(self, layer: int, x: str, cos: str, sin: str, bias: str) -> str:
         g, c, s = self.g, self.c, self.s
         ar, p, grp, d = s.ar, s.past_len, c.group_size, c.head_dim
@@ -146,15 +175,15 @@ class HTPLlamaGraph(LlamaGraph):
         q = self.linear(x, f"l{layer}.q")  # [1, AR, H D]
         if c.attention_bias:
             q = g.op("Add", q, g.weight(f"l{layer}.q_bias"))
-        q = self.rope(self.heads(q, c.num_heads), cos, sin)  # [1, H, AR, D]
+        q = self.rope(self.heads(q, c.num_heads, norm=(layer, "q")), cos, sin)  # [1, H, AR, D]
         hkv = c.num_kv_heads
         q_groups = [q] if hkv == 1 else g.op("Split", q, g.const([grp] * hkv), axis=1, num_outputs=hkv)
         outs = []
         for h in range(hkv):  # builds per-KV-head attention; not a runtime loop
             kb = f"l{layer}.k_bias_h{h}" if c.attention_bias else None
             vb = f"l{layer}.v_bias_h{h}" if c.attention_bias else None
-            new_k = self._rope_named(self._project(x4, f"l{layer}.k_h{h}", kb, None), cos, sin,
-                                     kv_name(Role.NEW_KEY, layer, h))  # [1, 1, AR, D]
+            k = self.head_norm(self._project(x4, f"l{layer}.k_h{h}", kb, None), layer, "k")  # [1, 1, AR, D]
+            new_k = self.rope(k, cos, sin, out=kv_name(Role.NEW_KEY, layer, h))
             new_v = self._project(x4, f"l{layer}.v_h{h}", vb, kv_name(Role.NEW_VALUE, layer, h))
             past_k, past_v = kv_name(Role.PAST_KEY, layer, h), kv_name(Role.PAST_VALUE, layer, h)
             q_t = g.op("Transpose", g.op("Reshape", q_groups[h], g.const([1, 1, grp * ar, d])), perm=[0, 1, 3, 2])

@@ -1,6 +1,8 @@
 """GGUF access through the `gguf` package: metadata as Python values, tensors dequantized to float32."""
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from .gguf_grids import GRID_TYPES, WeightGrid, decode_grid
 from .model import ModelSourceError
 
 
@@ -44,6 +47,85 @@ class GGUFFile:
             raise ModelSourceError(
                 f"{self.path.name}: tensor {name} uses {info.qtype.name}, which cannot be dequantized") from None
         return np.array(values, dtype=np.float32).reshape(info.shape)  # copy: detach from the mmap
+
+
+    def grid(self, name: str) -> WeightGrid | None:
+        """A 2-D tensor of a type with an exact grid (gguf_grids.GRID_TYPES), decoded from its raw blocks; None
+        for other types (float, or a type with no exact form)."""
+        t, info = self._by_name[name], self.tensors[name]
+        if info.qtype not in GRID_TYPES or len(info.shape) != 2:
+            return None
+        return decode_grid(info.qtype, np.asarray(t.data), info.shape)
+
+
+class LazyTensors(MutableMapping):
+    """name -> tensor, made from the mapped file each time it is asked for: a model's tensors are never all in
+    memory at once (an exporter reads one layer's, writes them, and drops them). Values set are kept as they are."""
+
+    def __init__(self, makers: dict[str, Callable[[], Any]]) -> None:
+        self._makers = makers
+
+    def __getitem__(self, name: str) -> Any:
+        return self._makers[name]()
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._makers[name] = lambda: value
+
+    def __delitem__(self, name: str) -> None:
+        del self._makers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def filtered(self, keep: Callable[[str], bool]) -> LazyTensors:
+        """The tensors whose names keep accepts, still lazy."""
+        return LazyTensors({name: make for name, make in self._makers.items() if keep(name)})
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_STRING, _ARRAY = 8, 9
+
+
+def peek_architecture(path: Path, *, max_keys: int = 64) -> str | None:
+    """general.architecture, read from the first keys of the header without parsing the rest of the file (the
+    reader parses every key, a 150k-token vocabulary included, before anything can be refused). None when it is
+    not among the first max_keys keys, or the file is not a readable GGUF (GGUFFile says why)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+            _version, _num_tensors, num_keys = struct.unpack("<IQQ", f.read(20))
+            for _ in range(min(num_keys, max_keys)):
+                key = _read_str(f)
+                (kind,) = struct.unpack("<I", f.read(4))
+                if key == "general.architecture" and kind == _STRING:
+                    return _read_str(f)
+                _skip_value(f, kind)
+    except (OSError, struct.error, UnicodeDecodeError, KeyError):
+        return None
+    return None
+
+
+def _read_str(f) -> str:
+    (size,) = struct.unpack("<Q", f.read(8))
+    return f.read(size).decode("utf-8")
+
+
+def _skip_value(f, kind: int) -> None:
+    if kind == _STRING:
+        _read_str(f)
+    elif kind == _ARRAY:
+        item, count = struct.unpack("<IQ", f.read(12))
+        if item in _SCALAR_SIZES:
+            f.seek(_SCALAR_SIZES[item] * count, 1)
+        else:
+            for _ in range(count):
+                _skip_value(f, item)
+    else:
+        f.seek(_SCALAR_SIZES[kind], 1)
 
 
 def _value(field) -> Any:

@@ -16,9 +16,10 @@ import numpy as np
 
 from staticlm.runtime.family.config import ModelConfig, UnsupportedModel
 
-from .model import LoadedModel, ModelSourceError, UnsupportedSource, required_weight_names
+from .architectures import BY_HF_TYPE, KNOWN_UNSUPPORTED, source_shapes, unfuse
+from .model import LoadedModel, ModelSourceError, UnsupportedSource
+from .rope_scaling import divided_inv_freq, llama3_inv_freq, longrope_attention_factor
 
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> graph architecture
 _DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
 _CHATML_END = "<|im_end|>"
 
@@ -58,42 +59,70 @@ def load_hf_dir(path: Path) -> LoadedModel:
 
 def _config(cfg: dict[str, Any], *, name: str) -> ModelConfig:
     model_type = cfg.get("model_type") or ""
-    if model_type not in _ARCHS:
+    arch = BY_HF_TYPE.get(model_type)
+    if arch is None:
         archs = ",".join(cfg.get("architectures") or []) or "unknown"
-        raise UnsupportedSource(f"{name}: model_type {model_type!r} ({archs}) is not supported "
-                                f"(supported: {', '.join(sorted(_ARCHS))})")
+        why = KNOWN_UNSUPPORTED.get(model_type)
+        raise UnsupportedSource(f"{name}: model_type {model_type!r} ({archs}{f'; {why}' if why else ''}) is not "
+                                f"supported (supported: {', '.join(sorted(BY_HF_TYPE))})")
+    if "vision_config" in cfg or "audio_config" in cfg:
+        raise UnsupportedSource(f"{name}: a vision or audio tower is not supported")
     max_positions = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", model_type == "mistral")
-    if uses_window and window is not None and int(window) < max_positions:
-        raise UnsupportedSource(f"{name}: sliding-window attention ({window}) is not supported")
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type") or scaling.get("type") or rope.get("rope_type") or "default"
-    if rope_type != "default":
-        raise UnsupportedSource(f"{name}: RoPE scaling {rope_type!r} is not supported")
+    uses_window = cfg.get("use_sliding_window", model_type in ("mistral", "phi3"))
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        rope_dims = int(head_dim * partial)
         return ModelConfig(
-            architecture=_ARCHS[model_type],
+            architecture=arch.name,
             num_layers=int(cfg["num_hidden_layers"]),
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
-            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_positions=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama may declare them.
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch.always_bias or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
+            rotary_dim=rope_dims if rope_dims < head_dim else 0,
+            sliding_window=int(window) if uses_window and window is not None and int(window) < max_positions else 0,
+            **_rope(cfg, rope, theta=theta, dims=rope_dims, max_positions=max_positions, name=name),
         )
     except KeyError as exc:
         raise ModelSourceError(f"{name}/config.json lacks {exc.args[0]!r}") from None
     except UnsupportedModel as exc:
         raise UnsupportedSource(f"{name}: {exc}") from None
+
+
+def _rope(cfg: dict[str, Any], rope: dict[str, Any], *, theta: float, dims: int, max_positions: int,
+          name: str) -> dict[str, Any]:
+    """The scaled-RoPE fields of ModelConfig for config.json's rope_scaling / rope_parameters."""
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    original = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or max_positions)
+    if rope_type == "default":
+        return {}
+    if rope_type == "llama3":
+        inv_freq = llama3_inv_freq(theta, dims, factor=float(rope["factor"]),
+                                   low_freq_factor=float(rope["low_freq_factor"]),
+                                   high_freq_factor=float(rope["high_freq_factor"]), original_max_positions=original)
+        return {"rope_inv_freq": tuple(float(f) for f in inv_freq)}
+    if rope_type in ("longrope", "su"):  # "su": early Phi-3 configs' name for longrope
+        short, long = (divided_inv_freq(theta, dims, np.asarray(rope[k], np.float64), name=f"{name}: {k}")
+                       for k in ("short_factor", "long_factor"))
+        factor = longrope_attention_factor(max_positions=max_positions, original_max_positions=original,
+                                           factor=rope.get("factor"), attention_factor=rope.get("attention_factor"))
+        return {"rope_inv_freq": tuple(float(f) for f in short), "rope_long_inv_freq": tuple(float(f) for f in long),
+                "rope_original_max_positions": original, "rope_attention_factor": factor}
+    raise UnsupportedModel(f"RoPE scaling {rope_type!r} is not supported")
 
 
 def _weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
@@ -105,9 +134,19 @@ def _weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
         weights.update(read_safetensors(file))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # the graph reuses the embedding
-    missing = [n for n in required_weight_names(config) if n not in weights]
+    shapes = source_shapes(config)
+    missing = [n for n in shapes if n not in weights]
     if missing:
         raise ModelSourceError(f"{path.name}: missing weight {missing[0]} ({len(missing)} missing)")
+    extra = [n for n in weights if n not in shapes and not n.endswith("rotary_emb.inv_freq")]
+    if extra:  # e.g. an o_proj or MLP bias: a feature the graph does not have, never silently dropped
+        raise UnsupportedSource(f"{path.name}: weight {extra[0]} is not part of a {config.architecture} model "
+                                f"as supported ({len(extra)} such weights)")
+    for n, shape in shapes.items():
+        if weights[n].shape != shape:
+            raise ModelSourceError(f"{path.name}: weight {n} has shape {list(weights[n].shape)}, "
+                                   f"expected {list(shape)}")
+    unfuse(config, weights)
     return weights
 
 

@@ -1,7 +1,10 @@
 """The model's architecture, as the exporter and runtime both need it."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import numpy as np
 
 from staticlm.errors import UserError
 
@@ -12,9 +15,10 @@ class UnsupportedModel(UserError, ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family hyper-parameters (RMSNorm, RoPE, GQA, SwiGLU)."""
+    """Llama-family hyper-parameters (RMSNorm, RoPE, GQA, SwiGLU) and the per-architecture features the one graph
+    builder reads. The architecture's name is a label: builders read the feature fields, never the name."""
 
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # "llama", "qwen2", "qwen3" or "phi3" (export/sources/architectures.py)
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -27,6 +31,17 @@ class ModelConfig:
     max_positions: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2-style q/k/v bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE
+    rotary_dim: int = 0  # dims rotated per head, the first ones (Phi-4-mini's partial rotary); 0: all of head_dim
+    # RoPE as data: the rotary_dim/2 inverse frequencies of a scaled RoPE (llama3, longrope); (): theta's own.
+    rope_inv_freq: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
+    # longrope's second set, for a family whose largest context exceeds rope_original_max_positions (for_context)
+    rope_long_inv_freq: tuple[float, ...] = ()
+    rope_original_max_positions: int = 0
+    # A sliding window (Mistral, Phi-3-mini-4k): exported only for families whose contexts fit it, where every
+    # token sees every cached one, as in full attention (for_context); 0: none.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -35,19 +50,54 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModel(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.rope_dims % 2 or not 0 < self.rope_dims <= self.head_dim:
+            raise UnsupportedModel(f"rotary dims {self.rotary_dim} do not fit head_dim {self.head_dim}")
+        for freqs in (self.rope_inv_freq, self.rope_long_inv_freq):
+            if freqs and len(freqs) != self.rope_dims // 2:
+                raise UnsupportedModel(f"{len(freqs)} RoPE frequencies for {self.rope_dims} rotary dims")
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def rope_dims(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q.k: every graph style reads it here, and only here."""
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def inv_freq(self) -> np.ndarray:
+        """[rope_dims/2] float64 inverse frequencies: RoPE angle of pair i at position p is p * inv_freq[i]."""
+        if self.rope_inv_freq:
+            return np.asarray(self.rope_inv_freq, np.float64)
+        return 1.0 / (self.rope_theta ** (np.arange(0, self.rope_dims, 2, dtype=np.float64) / self.rope_dims))
+
+    def for_context(self, max_context: int) -> ModelConfig:
+        """The config a family of contexts up to max_context runs: longrope's long set when it exceeds the original
+        positions (as transformers picks for a sequence that long), else the short one; one set remains. A sliding
+        window shorter than max_context is refused."""
+        if self.sliding_window and max_context > self.sliding_window:
+            raise UnsupportedModel(f"sliding-window attention ({self.sliding_window}) is not supported for a "
+                                   f"context of {max_context}: export contexts of at most {self.sliding_window}")
+        if not self.rope_long_inv_freq:
+            return self
+        long = max_context > self.rope_original_max_positions
+        return replace(self, rope_inv_freq=self.rope_long_inv_freq if long else self.rope_inv_freq,
+                       rope_long_inv_freq=())
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = set(data) - names
+        """Also reads manifests written before a field existed (its default applies)."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        unknown = set(data) - set(kinds)
         if unknown:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
-        return cls(**data)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

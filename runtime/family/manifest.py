@@ -79,7 +79,7 @@ class Manifest:
     weights_bytes: int
     weights_sha256: str
     tokenizer_file: str
-    chat_template: str | None
+    chat_template: str | dict[str, str] | None  # one template, or named ones (runtime/chat.py picks)
     special_tokens: SpecialTokens
     kv_layout: KVLayout = KVLayout.PER_HEAD
     kv_dtype: str = "float32"

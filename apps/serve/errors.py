@@ -1,0 +1,54 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the status that goes with them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from staticlm.errors import UserError
+from staticlm.kv_manager import ContextFull
+from staticlm.runtime.scheduler import QueueFull
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.status == 429:
+            return {"Retry-After": str(RETRY_AFTER_S)}
+        if self.status == 401:
+            return {"WWW-Authenticate": "Bearer"}
+        return {}
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def api_error(error: BaseException) -> APIError:
+    """What a client is told about an exception (a bug is a 500 without details)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, QueueFull):
+        return APIError(429, f"{_first_line(error)}; retry later", type="rate_limit_error", code="queue_full")
+    if isinstance(error, ContextFull):
+        return APIError(400, _first_line(error), param="messages", code="context_length_exceeded")
+    if isinstance(error, UserError):
+        return APIError(400, _first_line(error))
+    return APIError(500, f"internal error: {type(error).__name__}", type="server_error")
+
+
+def bad_value(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+__all__ = ["APIError", "api_error", "bad_value"]

@@ -1,0 +1,39 @@
+"""`/metrics` in Prometheus text: requests, tokens in and out, TTFT and per-token latency, KV rows, prompt cache."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from staticlm.runtime.continuous import ContinuousBatcher
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServeMetrics:
+    """One registry per server (tests may run several in a process)."""
+
+    def __init__(self, batcher: ContinuousBatcher) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("staticlm_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("staticlm_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.cached_tokens = Counter("staticlm_prompt_cached_tokens", "prompt tokens the prompt cache held",
+                                     registry=r)
+        self.completion_tokens = Counter("staticlm_completion_tokens", "tokens generated", registry=r)
+        self.cache_hits = Counter("staticlm_prompt_cache_hits", "requests that reused cached prompt tokens",
+                                  registry=r)
+        self.ttft = Histogram("staticlm_time_to_first_token_seconds", "request received to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.token_latency = Histogram("staticlm_token_latency_seconds", "time between a choice's tokens",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        status = batcher.status
+        for name, key, doc in (("staticlm_kv_rows", "rows", "batch rows (KV sequences) the server decodes in"),
+                               ("staticlm_kv_rows_in_use", "rows_in_use", "batch rows decoding a request now"),
+                               ("staticlm_queue_length", "waiting", "requests waiting for a row"),
+                               ("staticlm_prompt_cache_rows", "cached_rows", "free rows holding a cached prefix"),
+                               ("staticlm_cancelled_choices", "cancelled", "choices ended by a client that left")):
+            Gauge(name, doc, registry=r).set_function(lambda key=key: status()[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["ServeMetrics"]

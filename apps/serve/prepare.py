@@ -1,0 +1,130 @@
+"""From a validated request body to what the batcher runs: prompt ids (fitted to the context), generation
+parameters with the server's run options as defaults, and the grammar that constrains the output."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from staticlm.kv_manager import ContextFull, Overflow
+from staticlm.runtime.sampling import SamplingParams
+from staticlm.runtime.text_stream import GenerationParams
+
+from .errors import APIError, bad_value
+from .prompt import chat_prompt
+from .schemas import ChatRequest, CompletionRequest, SamplingFields
+from .state import ServeState
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    params: GenerationParams
+    num_choices: int
+    num_logprobs: int | None
+    constraint: Any  # a factory of runtime Constraints, or None
+    tool_names: set[str] | None  # parse tool calls out of the answers (None: never)
+    stream: bool
+    include_usage: bool
+    prompt_text: str = ""  # completions' echo
+
+
+def check_model(state: ServeState, model: str | None) -> None:
+    if model not in (None, "", state.model_id):
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_id!r}",
+                       param="model", code="model_not_found")
+
+
+def _params(state: ServeState, req: SamplingFields, *, max_new: int) -> GenerationParams:
+    o = state.options
+    pick = lambda value, default: default if value is None else value
+    try:
+        sampling = SamplingParams(temperature=pick(req.temperature, o.temperature), top_k=pick(req.top_k, o.top_k),
+                                  top_p=pick(req.top_p, o.top_p), min_p=pick(req.min_p, o.min_p),
+                                  repetition_penalty=pick(req.repetition_penalty, o.repetition_penalty),
+                                  seed=pick(req.seed, o.seed))
+    except ValueError as e:
+        raise bad_value("sampling", str(e)) from None
+    stop = req.stop_strings() if req.stop is not None else o.stop
+    return GenerationParams(max_new_tokens=max_new, sampling=sampling, stop_strings=stop,
+                            ignore_eos=req.ignore_eos or o.ignore_eos)
+
+
+def _limit(state: ServeState, asked: int | None) -> int:
+    return min(asked or state.options.max_new_tokens, state.max_context - 1)
+
+
+def _too_long(state: ServeState, n: int) -> ContextFull:
+    return ContextFull(f"the prompt has {n} tokens; this model's context holds {state.max_context} "
+                       "(the answer needs at least one more)")
+
+
+def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
+    check_model(state, req.model)
+    if not req.messages:
+        raise bad_value("messages", "messages must not be empty")
+    fmt = state.model.format
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice or ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise bad_value("tool_choice", "tool_choice needs tools")
+    rendered = tools if choice != "none" else None
+    messages, kwargs = chat_prompt(fmt, req.messages, tools=rendered, system_prompt=state.options.system_prompt_or_none)
+    ids = fmt.prompt_ids(messages, **kwargs)
+    limit = _limit(state, req.limit())
+    if len(ids) >= state.max_context:
+        if state.options.overflow is not Overflow.SLIDE:
+            raise _too_long(state, len(ids))
+        room = state.max_context - min(limit, state.max_context // 4)
+        ids, _ = fmt.fitted_prompt_ids(messages, max_tokens=room, **kwargs)
+    constraint, names = None, None
+    if rendered:
+        names = {t["function"]["name"] for t in rendered}
+        if isinstance(choice, str) and choice == "required":
+            constraint = state.grammars.tool_call([t["function"] for t in rendered])
+        elif not isinstance(choice, str):
+            wanted = choice.function["name"]
+            if wanted not in names:
+                raise bad_value("tool_choice", f"tool_choice names {wanted!r}, which is not among the tools")
+            constraint = state.grammars.tool_call([t["function"] for t in rendered if t["function"]["name"] == wanted])
+    fmt_ = req.response_format
+    if constraint is None and fmt_ is not None and fmt_.type != "text":
+        if fmt_.type == "json_schema":
+            if fmt_.json_schema is None or not fmt_.json_schema.schema_:
+                raise bad_value("response_format", "response_format json_schema needs json_schema.schema")
+            constraint = state.grammars.json_schema(fmt_.json_schema.schema_)
+        else:
+            constraint = state.grammars.json_schema({"type": "object"})
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids))),
+                    num_choices=req.n, num_logprobs=num_logprobs, constraint=constraint, tool_names=names,
+                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
+    check_model(state, req.model)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise bad_value("prompt", "one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        text, ids = prompt, state.model.tokenizer.encode(prompt, add_special_tokens=True)
+    else:
+        vocab = state.model.manifest.model.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise bad_value("prompt", f"token ids must be in 0..{vocab - 1}")
+        text, ids = state.model.tokenizer.decode(prompt), list(prompt)
+    if not ids:
+        raise bad_value("prompt", "the prompt is empty")
+    limit = _limit(state, req.limit())
+    if len(ids) >= state.max_context:
+        if state.options.overflow is not Overflow.SLIDE:
+            raise _too_long(state, len(ids))
+        ids = ids[len(ids) - (state.max_context - min(limit, state.max_context // 4)):]  # keep the end
+    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids))),
+                    num_choices=req.n, num_logprobs=req.logprobs, constraint=None, tool_names=None,
+                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    prompt_text=text if req.echo else "")
+
+
+__all__ = ["Prepared", "check_model", "prepare_chat", "prepare_completion"]

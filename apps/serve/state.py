@@ -1,0 +1,48 @@
+"""What every handler of one server shares: the model, its batcher's worker, the options, metrics, grammars."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from staticlm.runtime.continuous import ContinuousBatcher
+from staticlm.runtime.model import Model
+from staticlm.runtime.options import RunOptions
+
+from .grammar import Grammars
+from .metrics import ServeMetrics
+from .options import ServeOptions
+from .worker import EngineWorker
+
+
+@dataclass
+class ServeState:
+    model: Model
+    options: RunOptions
+    serve: ServeOptions
+    worker: EngineWorker
+    metrics: ServeMetrics
+    grammars: Grammars
+    model_id: str
+    created: int = field(default=0)
+
+    @classmethod
+    def build(cls, model: Model, serve: ServeOptions) -> ServeState:
+        batcher = ContinuousBatcher(model, max_queue=serve.max_queue, prompt_cache=serve.prompt_cache)
+        m = model.manifest
+        grammars = Grammars(Path(model.engine.model_dir) / m.tokenizer_file, vocab_size=m.model.vocab_size,
+                            eos_token_ids=model.tokenizer.eos_token_ids)
+        return cls(model=model, options=model.options, serve=serve, worker=EngineWorker(batcher),
+                   metrics=ServeMetrics(batcher), grammars=grammars,
+                   model_id=serve.model_id or Path(model.engine.model_dir).resolve().name, created=int(time.time()))
+
+    @property
+    def batcher(self) -> ContinuousBatcher:
+        return self.worker.batcher
+
+    @property
+    def max_context(self) -> int:
+        return self.batcher.max_context
+
+
+__all__ = ["ServeState"]

@@ -1,0 +1,78 @@
+"""The engine's thread, and the bridge from its events to the asyncio handlers that wait for them.
+
+One thread runs `ContinuousBatcher.step()` back to back while there is work and sleeps on an event otherwise;
+HTTP handlers submit requests from the event loop and read their events from an asyncio queue, which the engine
+thread fills through `loop.call_soon_threadsafe` (it never blocks on a client).
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import traceback
+
+from staticlm.runtime.continuous import ContinuousBatcher
+from staticlm.runtime.sequence_request import Event, SequenceRequest
+
+IDLE_WAIT_S = 0.5
+
+
+class EngineWorker:
+    def __init__(self, batcher: ContinuousBatcher) -> None:
+        self.batcher = batcher
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="staticlm-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, request: SequenceRequest) -> None:
+        """Queue a request (QueueFull, or a UserError for a bad one, is raised here) and wake the engine."""
+        self.batcher.submit(request)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """A request was cancelled: let the engine free its rows now."""
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                worked = self.batcher.step()
+            except Exception:  # noqa: BLE001 -- a bug in one step must not stop the server; it is logged
+                traceback.print_exc(file=sys.stderr)
+                worked = False
+            if not worked:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+
+
+class EventQueue:
+    """A request's events, delivered on the event loop that created it."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        """Called on the engine's thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down, nobody waits
+            pass
+
+    async def get(self, *, timeout: float | None = None) -> Event | None:
+        """The next event, or None after timeout seconds."""
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+
+__all__ = ["EngineWorker", "EventQueue"]

@@ -1,0 +1,113 @@
+"""The CPU target's linear layers: which MatMulNBits nodes each one is, and their weights.
+
+A linear layer of the graph fuses HF projections along its output axis (`l{i}.qkv` is q, k and v). Each
+projection is either a source grid (a GGUF tensor's own levels and scales, sources/gguf_grids.py) or a float
+weight that is rounded here. Consecutive projections that share a form become one MatMulNBits node:
+
+- a source grid keeps its container (4 or 8 bits), its block (32 or 16), its levels, scales and zero points
+  exactly; a type with minima adds its per-block offsets C [K/32, N] through one float MatMul of x's block
+  sums (x W = x Wq + S(x) C), so every exported weight equals gguf's dequantization bit for bit;
+- a float weight is rounded by onnxruntime.quantization, with the block-mean correction rows of quant.py.
+
+A Q4_K_M file mixes types inside one linear (q and k Q4_K, v Q6_K): that linear runs two MatMulNBits nodes
+whose outputs are concatenated, so no projection is re-rounded to share a grid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from staticlm.export.sources.gguf_grids import FloatWeight, WeightGrid
+
+OFFSET_BLOCK = 32  # every type with minima has 32-input blocks
+FLOAT_BITS = 32
+
+
+@dataclass(frozen=True)
+class MatMulPart:
+    """One MatMulNBits node: weights `{weight}.q`, `.scales` and (when zero_points) `.zp`; or, bits == FLOAT_BITS,
+    a GGUF float matrix kept as it is: `{weight}.w` [N, K] float32, one FusedMatMul with transB."""
+
+    weight: str
+    n: int  # output columns
+    bits: int
+    block: int
+    zero_points: bool
+    corrected: bool  # a float weight with the block-mean correction rows (K' = K + correction_rows)
+    symmetric: bool  # a float weight rounded symmetrically (no .zp)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    k: int
+    parts: tuple[MatMulPart, ...]
+    offsets: str | None = None  # weight name of C [K/32, N], the source grids' per-block offsets
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+
+def pack_levels(levels: np.ndarray, *, bits: int, block: int) -> np.ndarray:
+    """[N, K] uint8 levels -> MatMulNBits' B [N, K/block, block bits/8] (4 bits: low nibble first)."""
+    n, k = levels.shape
+    if bits == 8:
+        return np.ascontiguousarray(levels.reshape(n, k // block, block))
+    pairs = levels.reshape(n, k // block, block // 2, 2)
+    return np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4))
+
+
+def pack_zero_points(zp: np.ndarray, *, bits: int) -> np.ndarray:
+    """[N, K/block] uint8 -> MatMulNBits' zero_points ([N, ceil(K/block / 2)] at 4 bits, low nibble first)."""
+    if bits == 8:
+        return np.ascontiguousarray(zp)
+    n, blocks = zp.shape
+    padded = np.zeros((n, blocks + blocks % 2), np.uint8)
+    padded[:, :blocks] = zp
+    return np.ascontiguousarray(padded[:, 0::2] | (padded[:, 1::2] << 4))
+
+
+def concat_grids(grids: list[WeightGrid | FloatWeight]) -> WeightGrid | FloatWeight:
+    """Grids of one grid_key stacked along the output axis (their GGUF types may differ: Q4_1 and Q4_K)."""
+    first = grids[0]
+    if len(grids) == 1:
+        return first
+    qtype = "+".join(dict.fromkeys(g.qtype for g in grids))
+    if isinstance(first, FloatWeight):
+        return FloatWeight(qtype=qtype, values=np.concatenate([g.values for g in grids]))
+    mins = None if first.mins is None else np.concatenate([g.mins for g in grids])
+    return WeightGrid(qtype=qtype, block=first.block, levels=np.concatenate([g.levels for g in grids]),
+                      scales=np.concatenate([g.scales for g in grids]), mins=mins, mid=first.mid)
+
+
+def grid_key(grid: WeightGrid | FloatWeight | None) -> tuple:
+    """Projections with equal keys share one node."""
+    if grid is None:
+        return ("float",)
+    if isinstance(grid, FloatWeight):
+        return ("exact float",)
+    return (grid.bits, grid.block, grid.mid, grid.mins is None)
+
+
+def write_grid_part(writer, weight: str, grid: WeightGrid | FloatWeight) -> MatMulPart:
+    """A source grid's levels, scales and zero points (or a float matrix's values), exactly; returns its node."""
+    n, k = grid.shape
+    if isinstance(grid, FloatWeight):
+        writer.add(f"{weight}.w", grid.values.astype(np.float32))  # [N, K]
+        return MatMulPart(weight=weight, n=n, bits=FLOAT_BITS, block=k, zero_points=False, corrected=False,
+                          symmetric=False)
+    writer.add(f"{weight}.q", pack_levels(grid.levels, bits=grid.bits, block=grid.block))
+    writer.add(f"{weight}.scales", grid.scales)  # [N, K/block]
+    writer.add(f"{weight}.zp", pack_zero_points(grid.zero_points(), bits=grid.bits))
+    return MatMulPart(weight=weight, n=n, bits=grid.bits, block=grid.block, zero_points=True, corrected=False,
+                      symmetric=False)
+
+
+def grid_offsets(grids: list[WeightGrid | FloatWeight | None], *, ns: list[int], k: int) -> np.ndarray | None:
+    """C [K/32, N] for the projections of one linear (zero for those without minima), or None if none has any."""
+    offsets = [g.offsets() if isinstance(g, WeightGrid) else None for g in grids]
+    if all(o is None for o in offsets):
+        return None
+    cols = [o if o is not None else np.zeros((n, k // OFFSET_BLOCK), np.float32) for o, n in zip(offsets, ns)]
+    return np.ascontiguousarray(np.concatenate(cols).T)  # [K/32, N]

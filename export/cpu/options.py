@@ -1,0 +1,71 @@
+"""The CPU target's export options: weight bits, blocks, the correction rows and the attention body."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+
+from staticlm.runtime.family.contract import KVLayout
+
+
+class CpuAttention(str, Enum):
+    # GroupQueryAttention, KV appended in place: fewer nodes and bindings per step than `windows` (see gqa.py)
+    GQA = "gqa"
+    WINDOWS = "windows"  # per-head past windows + new-row outputs: the kv_manager strategies and the BMC ladder
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout.IN_PLACE if self is CpuAttention.GQA else KVLayout.PER_HEAD
+
+
+class WeightBits(IntEnum):
+    INT4 = 4
+    INT8 = 8
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """How float weights are rounded. A GGUF tensor with an exact grid keeps its own (linears.py) whatever these say."""
+
+    bits: WeightBits = WeightBits.INT4
+    # The head/embedding table (a fifth of SmolLM2's weights; its GGUF source is 8-bit Q8_0) keeps 8 bits by
+    # default: at 4 bits it costs much of the top-1 agreement with float (`staticlm eval`, apps/data/eval_en.txt).
+    head_bits: WeightBits = WeightBits.INT8
+    block_size: int = 32
+    # Asymmetric, because SmolLM2's GGUF layers are asymmetric Q4_1: symmetric blocks lose much of the top-1
+    # agreement with float (both corrected, 8-bit head), though they decode faster.
+    symmetric: bool = False
+    # The head's GGUF source (Q8_0) is symmetric: a symmetric head agrees as well as an asymmetric one, for less CPU.
+    head_symmetric: bool = True
+    # 4: activations quantized to int8 per block, int8 dot products: faster than float compute (0/1) for M=1
+    # on AVX2, at the same agreement (the weights' rounding dominates the error).
+    accuracy_level: int = 4
+
+    # Extra K rows undoing each block's mean rounding error (quant.py): without them SmolLM2's 4-bit layers lose
+    # much of their top-1 agreement with float (see
+    # tests/test_cpu_target.py::test_smollm2_int4_top1_agrees_with_float_on_the_eval_text).
+    block_correction: bool = True
+    # Which layer linears carry them (kinds of `l{i}.{kind}`); each costs a MatMul and a Concat per layer.
+    # All four are worth it: leaving any kind out saves little decode time and loses top-1 agreement with float
+    # (`down` the most).
+    corrected: frozenset[str] = frozenset({"qkv", "o", "gate_up", "down"})
+    attention: CpuAttention = CpuAttention.GQA
+
+    def corrects(self, weight: str, k: int) -> bool:
+        """Whether layer weight `l{i}.{kind}` with K inputs carries correction rows (they must start a new block)."""
+        kind = weight.split(".", 1)[-1]
+        return self.block_correction and kind in self.corrected and k % self.block_size == 0
+
+    @property
+    def head(self) -> WeightBits:
+        return max(self.head_bits, self.bits)  # --weight-bits 8 means 8 everywhere
+
+    def validate(self, hidden_size: int) -> None:
+        if hidden_size % self.block_size:  # the embedding reads the head's rows as whole blocks
+            raise ValueError(f"block size {self.block_size} does not divide the hidden size {hidden_size}")
+
+    def to_dict(self) -> dict:
+        return {"format": "MatMulNBits", "bits": int(self.bits), "head_bits": int(self.head),
+                "block_size": self.block_size, "block_correction": self.block_correction,
+                "corrected": sorted(self.corrected) if self.block_correction else [],
+                "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
+                "accuracy_level": self.accuracy_level, "attention": self.attention.value}

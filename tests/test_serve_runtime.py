@@ -1,0 +1,196 @@
+"""The serving runtime without HTTP: the row scheduler and the prompt cache (bookkeeping), the kv_manager's row
+operations (against a naive reference), and the continuous batcher against the one-sequence Generator."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staticlm.errors import InvalidOption
+from staticlm.kv_manager import KVSpec, Overflow, Strategy, make_kv_cache
+from staticlm.runtime.prompt_cache import PromptCache
+from staticlm.runtime.scheduler import QueueFull, RowScheduler
+
+
+# -- bookkeeping ----------------------------------------------------------------------------------------------
+def test_scheduler_admits_oldest_first_bounds_the_queue_and_counts_reserved_rows():
+    s = RowScheduler(num_rows=4, max_queue=1)
+    s.submit("a", num_rows=3)
+    s.submit("b", num_rows=1)  # a and b both start at the next boundary: nobody waits yet
+    s.submit("c", num_rows=2)  # waits (the one request the queue holds)
+    with pytest.raises(QueueFull):
+        s.submit("d", num_rows=1)
+    with pytest.raises(InvalidOption):
+        s.submit("e", num_rows=5)
+    assert s.admissible() == [("a", 3), ("b", 1)] and s.num_free == 0
+    for row, name in zip(s.free_rows(), "aaab"):
+        s.occupy(row, name)
+    assert s.admissible() == [] and s.num_busy == 4
+    s.release(0)
+    assert s.admissible() == []  # c needs 2: it blocks, nothing behind it jumps ahead
+    s.release(1)
+    assert s.admissible() == [("c", 2)] and s.num_waiting == 0
+    s.unreserve(2)
+    assert s.num_free == 2
+    s.submit("f", num_rows=1)
+    assert s.drop_waiting("f") and s.num_waiting == 0
+
+
+def test_prompt_cache_finds_the_longest_prefix_and_evicts_least_recently_used():
+    c = PromptCache(3)
+    c.store(0, [1, 2, 3, 4])
+    c.store(1, [1, 2, 9])
+    assert c.longest([1, 2, 3, 7], rows=[0, 1, 2]) == (0, 3)
+    assert c.longest([1, 2, 3, 7], rows=[1, 2]) == (1, 2)
+    assert c.longest([5], rows=[0, 1, 2]) == (None, 0)
+    assert c.victims(1, free=[0, 1, 2]) == [2]  # the empty row first
+    assert c.victims(2, free=[0, 1]) == [0, 1]  # then the least recently used
+    assert c.victims(1, free=[0, 1, 2], prefer=1) == [1]  # the row a prompt reuses is overwritten in place
+    c.forget(0)
+    assert c.num_cached_rows == 1
+
+
+# -- kv_manager: one row cleared and loaded while the others keep decoding ---------------------------------
+ops = st.lists(st.tuples(st.sampled_from(["step", "step", "load", "clear"]), st.integers(0, 10_000)),
+               min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(strategy=st.sampled_from(list(Strategy)), batch=st.integers(1, 3), ops=ops, seed=st.integers(0, 2**16))
+def test_rows_cleared_and_loaded_one_at_a_time_match_a_naive_reference(strategy, batch, ops, seed):
+    rng = np.random.default_rng(seed)
+    heads = 2 if strategy is Strategy.IN_PLACE else 1
+    spec = KVSpec(num_tensors=4, head_dim=3, dtype="float32", max_past=15, max_ar=2, max_positions=10_000,
+                  batch=batch, overflow=Overflow.ERROR, heads_per_buffer=heads)
+    cache = make_kv_cache(spec, strategy, bmc_r=4)
+    ref: list[list[np.ndarray]] = [[] for _ in range(batch)]  # per row: committed [T, D] rows
+    for op, x in ops:
+        b = x % batch
+        if op == "load":
+            rows = rng.standard_normal((4, x % 12, 3)).astype(np.float32)  # [T, n, D]
+            cache.clear(b)
+            cache.load(b, rows)
+            ref[b] = [rows[:, i] for i in range(rows.shape[1])]
+        elif op == "clear":
+            cache.clear(b)
+            ref[b] = []
+        else:
+            room = spec.max_past - max(len(r) for r in ref)
+            if room <= 0:
+                continue
+            ar = 1 + x % min(spec.max_ar, room)
+            cache.prepare(past_len=spec.max_past, ar=ar)
+            commits = rng.integers(0, ar + 1, batch)
+            for seq in range(batch):
+                new = rng.standard_normal((4, ar, 3)).astype(np.float32)
+                for t in range(4):
+                    cache.slot(t, seq, ar)[0, 0] = new[t]
+                ref[seq] += [new[:, i] for i in range(commits[seq])]
+            cache.advance(commits)
+        cache.prepare(past_len=spec.max_past, ar=1)
+        for seq in range(batch):
+            assert int(cache.lengths[seq]) == len(ref[seq]) == int(cache.positions[seq])
+            want = np.stack(ref[seq], axis=1) if ref[seq] else np.zeros((4, 0, 3), np.float32)  # [T, n, D]
+            np.testing.assert_array_equal(cache.valid_block(seq), want)
+
+
+# -- the continuous batcher -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def in_place_family(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The cpu target's default layout (GroupQueryAttention, KV appended in place), as SmolLM2 is served."""
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.graph import CpuOptions
+    from staticlm.export.family import ExportOptions
+    from staticlm.export.sources import load_model
+
+    out = tmp_path_factory.mktemp("serve_cpu") / "family"
+    export_cpu_family(load_model(tiny_hf_dir), out, cpu=CpuOptions(),
+                      options=ExportOptions(contexts=(256, 512), prefill_len=16, verify_lens=(4,)))
+    return out
+
+
+def _open(family: Path):
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
+
+    return Model.open(family, RunOptions(device="cpu", num_threads=2))
+
+
+@pytest.mark.parametrize("layout", ["windows", "in_place"])
+def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, tiny_chat_family, in_place_family):
+    from staticlm.runtime.continuous import ContinuousBatcher
+    from staticlm.runtime.sequence_request import Admitted, Finished, SequenceRequest
+    from staticlm.runtime.text_stream import FinishReason, GenerationParams
+
+    family = tiny_chat_family if layout == "windows" else in_place_family
+    reference, served = _open(family), _open(family)
+    tok = reference.tokenizer
+    prompts = [tok.encode(t, add_special_tokens=False) for t in
+               ("abcabc abc", "The cat", "abcabc abd", "zz top", "abcabc abc", "q", "The cat sat")]
+    params = [GenerationParams(max_new_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = []
+    for ids, p in zip(prompts, params):
+        reference.generator.reset()
+        want.append(reference.generator.generate(ids, p).token_ids)
+    batcher = ContinuousBatcher(served, max_queue=8)
+    events: list[list] = [[] for _ in prompts]
+    requests = [SequenceRequest(prompt_ids=ids, params=p, on_event=events[i].append)
+                for i, (ids, p) in enumerate(zip(prompts, params))]
+    for i, request in enumerate(requests):  # one joins every other step, while the others decode
+        batcher.submit(request)
+        batcher.step()
+        batcher.step()
+        if i == 0:  # alone, it decoded on the one-sequence graphs; the next one moves it into its batch row
+            assert batcher.batch.counters.num_decode_steps == 0 and batcher.num_steps == 2
+    requests[5].cancel()  # a cancelled request frees its row at the next step
+    while batcher.step():
+        pass
+    for i, evs in enumerate(events):
+        [done] = [e for e in evs if isinstance(e, Finished)]
+        if i == 5:
+            assert done.reason is FinishReason.CANCELLED and list(done.token_ids) == want[5][:len(done.token_ids)]
+        else:
+            assert list(done.token_ids) == want[i], i
+    cached = [next(e for e in evs if isinstance(e, Admitted)).num_cached_tokens for evs in events]
+    # "abcabc abc" again: its whole prompt but the last token was in a free row (or the prefill engine)
+    assert cached[4] == len(prompts[4]) - 1 and cached[2] >= len(tok.encode("abcabc ab", add_special_tokens=False))
+    assert batcher.status()["rows_in_use"] == 0 and batcher.status()["prompt_cache_hits"] >= 2
+
+
+def test_a_request_that_breaks_fails_alone_and_the_others_finish(tiny_chat_family):
+    from staticlm.runtime.continuous import ContinuousBatcher
+    from staticlm.runtime.sequence_request import Failed, Finished, SequenceRequest
+    from staticlm.runtime.text_stream import GenerationParams
+
+    class Breaks:  # a constraint that allows anything, then fails on its third token
+        num = 0
+
+        def allowed(self, vocab_size):
+            return None
+
+        def consume(self, token_id):
+            self.num += 1
+            if self.num == 3:
+                raise RuntimeError("grammar broke")
+
+    reference, served = _open(tiny_chat_family), _open(tiny_chat_family)
+    ids = reference.tokenizer.encode("The cat", add_special_tokens=False)
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    want = reference.generator.generate(ids, params).token_ids
+    batcher = ContinuousBatcher(served)
+    good, bad = [], []
+    batcher.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=good.append))
+    batcher.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=bad.append, num_choices=2,
+                                   constraint=Breaks))
+    while batcher.step():
+        pass
+    assert [type(e) for e in bad if isinstance(e, (Failed, Finished))] == [Failed]
+    assert list(next(e for e in good if isinstance(e, Finished)).token_ids) == want
+    assert batcher.status()["rows_in_use"] == 0
+    batcher.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=good.append, num_choices=4))
+    while batcher.step():  # every row can be taken again
+        pass
+    assert [list(e.token_ids) for e in good if isinstance(e, Finished)] == [want] * 5
