@@ -115,11 +115,14 @@ class Engine:
             self._runners[entry.name] = self.layout.runner(session, entry, family=self._family)
         return self._runners[entry.name]
 
-    def warm_up(self) -> None:
-        """Open and run the first rung's graphs once now, so no answer pays for loading or first-run setup."""
+    def warm_up(self, *, verify: bool = True) -> None:
+        """Open and run the first rung's graphs once now, so no answer pays for loading or first-run setup; the
+        verify graphs too when verify (speculation will run): each session holds its own prepacked weights, so a
+        graph nobody runs is not opened."""
         if self.num_cached:
             return
-        for entry in (self._decode[0], *self._prefill[:1], *(ladder[0] for ladder in self._verify.values())):
+        verify_graphs = (ladder[0] for ladder in self._verify.values()) if verify else ()
+        for entry in (self._decode[0], *self._prefill[:1], *verify_graphs):
             self._run(entry, self._token)  # writes only slot rows past the (empty) valid region
             self.kv.advance(0)
 

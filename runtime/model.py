@@ -68,7 +68,7 @@ class Model:
         check_draft_model(options.speculate_options())
         engine = Engine(options.model_dir, options=options.engine_options())
         if warm_up:
-            engine.warm_up()
+            engine.warm_up(verify=options.speculate_options().mode is not SpeculateMode.NONE)
         return cls(engine, options=options)
 
     @property

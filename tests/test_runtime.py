@@ -186,3 +186,19 @@ def test_tiny_num_responses_cli(tiny_chat_family):
     assert [len(r["token_ids"]) for r in summary["responses"]] == [6] * 4
     assert len({tuple(r["token_ids"]) for r in summary["responses"]}) > 1  # sampled independently
     assert summary["new_tokens"] == 24 and summary["total_tok_s"] > 0
+
+
+def test_verify_graphs_open_only_when_speculation_will_run(tiny_family):
+    """Each CPU session may hold its own prepacked weights: a graph nobody runs is not opened at warm-up."""
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
+
+    def opened_verify_files(options: RunOptions) -> set[str]:
+        engine = Model.open(tiny_family, options).engine
+        verify_files = {g.file for ladder in engine._verify.values() for g in ladder}
+        verify_files -= {engine._decode[0].file, *(g.file for g in engine._prefill[:1])}  # those open anyway
+        assert verify_files  # the tiny family has verify-only graphs
+        return verify_files & set(engine._sessions)
+
+    assert opened_verify_files(RunOptions()) == set()
+    assert opened_verify_files(RunOptions(speculate="lookup"))
