@@ -167,6 +167,9 @@ def test_exported_weights_are_ggufs_dequantization_bit_for_bit(gguf_file, cpu_fa
         for kind, names in want.items():
             assert np.array_equal(got[f"l{layer}.{kind}"], np.concatenate([hf[n] for n in names])), kind
     assert np.array_equal(got["head_t"], hf["lm_head.weight"])
+    from staticlm.runtime.family.manifest import load_manifest
+
+    assert load_manifest(cpu_family).precision == f"GGUF grids ({model.grid_summary()})"  # what eval and the app show
 
 
 def test_exported_logits_match_transformers_on_the_same_gguf(gguf_file, cpu_family):

@@ -28,27 +28,33 @@ TURN_TOKENS = 32
 STARTUP_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "staticlm.apps.cli", "serve", *args]
 
 
 @contextmanager
-def _server(model_dir: Path, threads: int, *args: str):
+def running_server(model_dir: Path, *args: str, threads: int = 2, startup_s: float = STARTUP_S):
+    """`staticlm serve` in a subprocess on a free loopback port, waited for on /health; yields its base URL
+    (http://127.0.0.1:PORT) and stops it after. args: more serve flags (a later flag overrides these)."""
     import httpx
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "staticlm.apps.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--device", "cpu", "--threads", str(threads), "--max-queue", "64", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    port = free_port()
+    cmd = serve_command("--model", str(model_dir), "--port", str(port), "--device", "cpu", "--threads", str(threads),
+                        "--max-queue", "64", *args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_S
+        deadline = time.monotonic() + startup_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"staticlm serve exited: {proc.stderr.read().strip()[-500:]}")
+                raise RuntimeError(f"staticlm serve exited: {proc.stdout.read().strip()[-500:]}")
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break
@@ -56,7 +62,7 @@ def _server(model_dir: Path, threads: int, *args: str):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("staticlm serve did not start")
-            time.sleep(0.2)
+            time.sleep(0.1)
         yield base
     finally:
         proc.terminate()
@@ -159,7 +165,7 @@ def bench_serve(ctx: BenchContext) -> list[Row]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     prompts = _prompts(max(clients))
     rows, raw = [], {}
-    with _server(ctx.model_dir, ctx.options.threads) as base:
+    with running_server(ctx.model_dir, threads=ctx.options.threads) as base:
         stream_chat(base, [{"role": "user", "content": "warm up"}], max_tokens=4)
         for c in clients:
             ctx.log(f"  {c} concurrent streaming client(s) x {max_tokens} tokens ...")
@@ -178,7 +184,7 @@ def bench_serve(ctx: BenchContext) -> list[Row]:
         turns = _prompts(3, num_words=5) if quick else _prompts(NUM_TURNS)
         ctx.log(f"  a {len(turns)}-turn conversation, prompt cache on ...")
         cache_on = _conversation(base, turns, max_tokens=max_tokens if quick else TURN_TOKENS)
-    with _server(ctx.model_dir, ctx.options.threads, "--no-prompt-cache") as base:
+    with running_server(ctx.model_dir, "--no-prompt-cache", threads=ctx.options.threads) as base:
         ctx.log("  the same conversation, prompt cache off ...")
         stream_chat(base, [{"role": "user", "content": "warm up"}], max_tokens=4)
         cache_off = _conversation(base, turns, max_tokens=max_tokens if quick else TURN_TOKENS)

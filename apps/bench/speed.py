@@ -9,6 +9,7 @@ from pathlib import Path
 
 from staticlm.export.sources import default_gguf_path
 from staticlm.runtime.family.manifest import load_manifest
+from staticlm.runtime.prompt_cache import common_prefix
 
 from .base import BenchContext, Row
 from .peers import PeerModel, PeerUnavailable, prepare, run_worker
@@ -35,15 +36,6 @@ def _peer_gguf(ctx: BenchContext) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _rows(ours: dict, peers: dict[str, dict], ctx: BenchContext) -> list[Row]:
     def each(get) -> dict[str, float]:
         return {name: get(result) for name, result in peers.items()}
@@ -52,7 +44,7 @@ def _rows(ours: dict, peers: dict[str, dict], ctx: BenchContext) -> list[Row]:
                 peers=each(lambda r, c=c: r["decode_tok_s"][str(c)])) for c in ctx.contexts]
     if peers:  # same weights, same ids, greedy: the leading tokens should agree (4-bit schemes may drift later)
         rows[0].note = "greedy tokens equal to ours before the first difference: " + ", ".join(
-            f"{name} {_common_prefix(ours.get('tokens', []), r.get('tokens', []))}/{len(ours.get('tokens', []))}"
+            f"{name} {common_prefix(ours.get('tokens', []), r.get('tokens', []))}/{len(ours.get('tokens', []))}"
             for name, r in peers.items())
     rows += [
         Row("prefill", f"prefill tok/s, {ctx.prompt_len}-token prompt", "tok/s", ours["prefill_tok_s"],

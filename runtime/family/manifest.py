@@ -105,10 +105,13 @@ class Manifest:
 
     @property
     def precision(self) -> str:
-        """What the family's weights are, for messages: w8a16 / w4a16 / kv, int4 (head int8), or float."""
+        """What the family's weights are, for messages: w8a16 / w4a16 / kv, GGUF grids (Q4_1 x 210, ...),
+        int4 (head int8), or float."""
         if self.quantization:
             return str(self.quantization.get("quant", "quantized"))
         weights = self.extra.get("weights") or {}
+        if self.extra.get("source_grids"):  # a GGUF's own grids, kept exactly
+            return f"GGUF grids ({self.extra['source_grids']})"
         if weights.get("format") == "MatMulNBits":
             return f"int{weights['bits']} (head int{weights['head_bits']})"
         return "float"
