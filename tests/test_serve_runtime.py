@@ -194,3 +194,16 @@ def test_a_request_that_breaks_fails_alone_and_the_others_finish(tiny_chat_famil
     while batcher.step():  # every row can be taken again
         pass
     assert [list(e.token_ids) for e in good if isinstance(e, Finished)] == [want] * 5
+
+
+def test_a_bug_is_a_bare_500_for_the_client_and_a_traceback_on_the_servers_stderr(capsys):
+    from staticlm.apps.serve.errors import api_error
+    from staticlm.errors import UserError
+
+    try:
+        {}["missing"]
+    except KeyError as e:
+        error = api_error(e)
+    assert error.status == 500 and "missing" not in error.body()["error"]["message"]
+    assert "Traceback" in capsys.readouterr().err
+    assert api_error(UserError("bad input")).status == 400 and "Traceback" not in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the status that goes with them."""
 from __future__ import annotations
 
+import sys
+import traceback
 from dataclasses import dataclass
 
 from staticlm.errors import UserError
@@ -44,6 +46,8 @@ def api_error(error: BaseException) -> APIError:
         return APIError(400, _first_line(error), param="messages", code="context_length_exceeded")
     if isinstance(error, UserError):
         return APIError(400, _first_line(error))
+    # A bug: the client gets a bare 500, the server's stderr keeps the traceback.
+    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
     return APIError(500, f"internal error: {type(error).__name__}", type="server_error")
 
 
