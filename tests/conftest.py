@@ -41,6 +41,11 @@ def build_tiny_hf(directory: Path, *, seed: int = 0, vocab_size: int = 260):
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # random init is too flat for greedy tests to mean anything: sharpen the head
         model.model.embed_tokens.weight.mul_(8.0)
+    return save_tiny_checkpoint(model, directory)
+
+
+def save_tiny_checkpoint(model, directory: Path):
+    """model saved as a HF checkpoint in directory, with the tiny tokenizer and the ChatML template; returns it."""
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     (directory / "tokenizer.json").write_text(tiny_tokenizer_json())

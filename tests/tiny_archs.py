@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from conftest import CHATML, tiny_tokenizer_json
+from conftest import CHATML, save_tiny_checkpoint, tiny_tokenizer_json
 
 VOCAB = 260  # the byte-level tiny tokenizer: 256 bytes, then 4 specials
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -52,12 +52,7 @@ def build(arch: str, directory: Path, *, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", ".bias")):
                 p.add_(0.3 * torch.randn_like(p))  # norms and biases away from 1 and 0, so they matter
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    (directory / "tokenizer.json").write_text(tiny_tokenizer_json())
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": False}))
-    return model
+    return save_tiny_checkpoint(model, directory)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
