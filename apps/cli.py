@@ -76,9 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cpu-attention", default=None,
                    help="with --target cpu: gqa (default: GroupQueryAttention, KV appended in place) or windows "
                         "(per-head past windows, for the kv_manager strategies and the BMC ladder)")
+    e.add_argument("--grid-minima", default=None,
+                   help="with --target cpu, a GGUF grid with block minima (Q4_1, Q4_K, Q5_1, Q5_K): exact (default: "
+                        "every weight gguf's own, an offset MatMul per linear) or folded (integer zero points and "
+                        "the remainder in correction rows: weights within a few hundredths of a step, faster "
+                        "decode; the default model's first-run export uses it)")
     e.add_argument("--quant", default=None, help="with --target htp: w8a16 (default), w4a16, or kv (KV only)")
     e.add_argument("--kv-bits", type=int, default=None, help="with --target htp: KV I/O bits, 16 (default) or 8")
-    e.add_argument("--calib-steps", type=int, default=None, help="with --target htp: recorded steps to calibrate on")
+    e.add_argument("--calib-steps", type=int, default=None,
+                   help="with --target htp or --calib: recorded steps to calibrate on")
+    e.add_argument("--calib", action="store_true", default=None,
+                   help="with --target cpu --weight-bits 4: round float weights by GPTQ on recorded calibration traces")
+    e.add_argument("--rounding", default=None,
+                   help="4-bit float weights with --calib or --quant w4a16: act-order (default: GPTQ, loudest input "
+                        "first), sequential (each layer fit to the rounded layers' outputs), gptq, nearest, or rtn "
+                        "(no calibration: each block's range)")
+    e.add_argument("--grid", default=None,
+                   help="4-bit float weights with --calib or --quant w4a16: offsets (default: a float minimum per "
+                        "block, as GGUF Q4_1), zero-points (--target cpu: MatMulNBits' own) or symmetric")
+    e.add_argument("--parts", type=int, default=None,
+                   help="also write every graph as N layer-group graphs: --prefill-workers (KV-Runahead) and --parts "
+                        "runs need them, and so does a model larger than one HTP context")
     e.add_argument("--quiet", action="store_true")
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)

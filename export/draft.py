@@ -18,7 +18,10 @@ def truncate_layers(model: LoadedModel, num_layers: int) -> LoadedModel:
     def kept(name: str) -> bool:
         return not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
 
-    return dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=num_layers),
+    local = tuple(i for i in model.config.local_layers if i < num_layers)  # Gemma 3's local layers kept
+    config = dataclasses.replace(model.config, num_layers=num_layers, local_layers=local,
+                                 local_window=model.config.local_window if local else 0)
+    return dataclasses.replace(model, config=config,
                                weights=_only(model.weights, kept), grids=_only(model.grids, kept),
                                source=f"{model.source}, first {num_layers} of {total} layers (draft)")
 

@@ -1,6 +1,7 @@
 """Export a graph family: decode + prefill/verify graphs for a ladder of context sizes, one weight file."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -57,6 +58,11 @@ class ExportOptions:
             if not 2 <= b <= 64:
                 raise ExportError(f"batch size {b} must be in [2, 64] (batch 1 is always exported)")
 
+    def for_config(self, config) -> ExportOptions:
+        """What a model exports: no batched graphs with local-window layers (their cache keeps a window of rows,
+        while a batch starts from a prompt's every row: kv_manager/layered.py)."""
+        return dataclasses.replace(self, batch_sizes=()) if config.local_layers else self
+
     def shapes(self) -> list[tuple[str, GraphKind, GraphShape]]:
         out = []
         for s in sorted(set(self.contexts)):
@@ -78,6 +84,7 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
     config, options = model.config, options or ExportOptions()
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
+    options = options.for_config(config)
     step = on_step or (lambda _name: None)
     with staged_family(out_dir) as work:
         writer = WeightFileWriter(work / WEIGHTS_FILE)

@@ -100,7 +100,7 @@ class KVCache:
             if s.overflow is Overflow.ERROR:
                 raise ContextFull(f"context full: {int(self.lengths.max())} tokens cached, the window holds "
                                   f"{past_len}; export larger contexts or use the slide overflow policy")
-            keep = self._kept_after_slide(past_len)
+            keep = max(self._kept_after_slide(past_len), min(s.min_kept, past_len))
             self._num_dropped += np.where(over, self.lengths - keep, 0)
             self.lengths = np.where(over, keep, self.lengths)
         if (self.positions >= s.max_positions).any():
@@ -174,14 +174,16 @@ class KVCache:
             return self._buf[:, seq, 0, end - int(self.lengths[seq]):end]
         return self._buf[self._g, seq, self._h, end - int(self.lengths[seq]):end]
 
-    def load(self, seq: int, rows: np.ndarray) -> None:
-        """Make rows [T, n, D] an empty sequence's cache (a shared prompt's KV for several responses)."""
+    def load(self, seq: int, rows: np.ndarray, *, num_before: int = 0) -> None:
+        """Make rows [T, n, D] an empty sequence's cache (a shared prompt's KV for several responses); num_before:
+        rows of the sequence before these, left out (their positions still count)."""
         num_rows = rows.shape[1]
         if self.lengths[seq] or num_rows > self.spec.max_past or rows.shape[0] != self.spec.num_tensors:
             raise ValueError(f"cannot load {rows.shape} rows into sequence {seq} of {self.spec}")
         end = int(self.ends[seq]) + (num_rows if self._loads_forward else 0)
         self._buf[self._g, seq, self._h, end - num_rows:end] = rows
         self.lengths[seq] = num_rows
+        self._num_dropped[seq] = num_before
         self.ends[seq] = end
         self.stats.copied_rows += num_rows
         self.stats.copied_bytes += rows.nbytes

@@ -42,6 +42,7 @@ class KVSpec:
     # KV heads stored together: 1 (a tensor per head), or num_kv_heads for the in-place layout, where each
     # (layer, K|V) is one [B, Hkv, rows, D] buffer
     heads_per_buffer: int = 1
+    min_kept: int = 0  # rows a slide keeps at least (a local class: its window and a step to rewind; layered.py)
 
     def __post_init__(self) -> None:
         if self.num_tensors < 1 or self.head_dim < 1 or self.max_past < 1 or self.max_ar < 1 or self.batch < 1:

@@ -1,9 +1,12 @@
 """The strategies that make room for new KV rows, each a few hooks of one interface (see cache.py)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .cache import KVCache
+from .layered import LayeredKVCache
 from .sizing import choose_bmc_r
 from .spec import KVSpec, Strategy
 
@@ -128,8 +131,13 @@ class InPlaceCache(KVCache):
             self.stats.num_compactions += 1
 
 
-def make_kv_cache(spec: KVSpec, strategy: Strategy = Strategy.POINTER, *, bmc_r: int | None = None) -> KVCache:
+def make_kv_cache(spec: KVSpec, strategy: Strategy = Strategy.POINTER, *, bmc_r: int | None = None,
+                  local: Sequence[bool] = (), window: int = 0) -> KVCache | LayeredKVCache:
+    """local: [T] whether each tensor is a local layer's (window W tokens): a LayeredKVCache of two strategy caches."""
     strategy = Strategy(strategy)
+    if any(local):
+        return LayeredKVCache(spec, local=local, window=window,
+                              make=lambda sub: make_kv_cache(sub, strategy, bmc_r=bmc_r))
     if strategy is Strategy.POINTER:
         return PointerCache(spec)
     if strategy is Strategy.SHIFT:

@@ -16,6 +16,7 @@ from staticlm.errors import InvalidOption
 
 from .engine import Engine
 from .sampling import sample
+from .segment_engine import SegmentEngine, has_segments
 from .text_stream import FinishReason, GenerationParams, TextStream
 from .tokenizer import Tokenizer
 
@@ -41,20 +42,32 @@ def batch_rows(batch_sizes: tuple[int, ...], num_responses: int, *, model_dir: o
 class BatchGenerator:
     """num_rows: the batched graphs' batch size (see batch_rows); any number of responses runs on them."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, num_rows: int, speculator=None) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, num_rows: int, speculator=None,
+                 segments: bool = False) -> None:
         self.engine, self.tokenizer = engine, tokenizer
-        self.batch = Engine(engine.model_dir, options=engine.options, batch=num_rows, weights_from=engine)
+        # segments: the family's segmented graphs read the prompt's K/V in place (segment_engine.py); else (or
+        # without them) every row gets its own copy of the prompt
+        self.batch = (SegmentEngine(engine, batch=num_rows) if segments and has_segments(engine, num_rows)
+                      else Engine(engine.model_dir, options=engine.options, batch=num_rows, weights_from=engine))
         self.speculator = speculator  # a BatchSpeculator, or None
         if speculator is not None and not self.batch.verify_lens:
             raise InvalidOption(f"{engine.model_dir} has no batched verify graphs for {num_rows} rows: "
                                 f"export it with --batch-sizes {num_rows}")
         self.rng = np.random.default_rng()
 
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes the responses hold: the prompt once plus the response buffers (segmented), else the batched
+        cache's buffer (a copy of the prompt in every row)."""
+        if isinstance(self.batch, SegmentEngine):
+            return self.batch.segments.kv_bytes if self.batch.segments is not None else 0
+        return self.batch.kv.stats.reserved_bytes
+
     def generate(self, prompt_ids: list[int], params: GenerationParams, *, num_responses: int | None = None,
                  on_text: Callable[[int, str], None] = lambda seq, text: None,
                  should_stop: Callable[[], bool] = lambda: False) -> list[Response]:
         """num_responses answers (default: one per row), in rounds of the graphs' rows; the prompt is prefilled
-        once and copied into the rows once per round."""
+        once and shared by the rows (segmented graphs) or copied into them once per round."""
         num_responses = self.batch.batch if num_responses is None else num_responses
         if num_responses < 1:
             raise InvalidOption(f"--num-responses must be >= 1, got {num_responses}")

@@ -9,14 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow, Strategy, make_kv_cache
-from staticlm.runtime.family.contract import graph_io, num_kv_tensors
+from staticlm.runtime.family.contract import graph_io, local_tensors, num_kv_tensors
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, load_manifest
 from staticlm.runtime.family.weights import SharedWeights
 
 from .device import Device, DeviceOptions, create_session, resolve_device
 from .ladder import ladder_step, rung_past_len
 from .layout import LAYOUTS
+from .parts import chain_runner, part_entries
 from .rope import RopeTable
+from .runahead import Runahead
 from .runner import FamilyContext, Runner
 
 
@@ -29,6 +31,8 @@ class EngineOptions:
     bmc_r: int | None = None
     share_weights: bool = True  # one weight mapping for all CPU sessions (see shared_weights.py)
     prepack: bool = False  # multi-row graphs keep a repacked weight copy each: faster batches/verify, more memory
+    run_parts: bool = False  # run every graph as its chain of layer-group parts (a family exported with --parts N)
+    prefill_workers: int = 1  # KV-Runahead: workers that prefill a long prompt's chunks in parallel (runahead.py)
 
 
 @dataclass
@@ -41,6 +45,23 @@ class StepCounters:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    verify_time: dict[int, tuple[int, float]] = field(default_factory=dict)  # AR -> (steps, seconds)
+
+    def add_verify(self, *, ar: int, num_rows: int, num_tokens: int, seconds: float) -> None:
+        """One verify step of AR rows per sequence (num_rows in all, num_tokens of them real)."""
+        self.num_verify_steps += 1
+        self.num_verify_rows += num_rows
+        self.num_verify_tokens += num_tokens
+        self.verify_seconds += seconds
+        count, total = self.verify_time.get(ar, (0, 0.0))
+        self.verify_time[ar] = (count + 1, total + seconds)
+
+    def verify_cost_ratio(self, ar: int | None) -> float | None:
+        """Measured time of an AR-row verify step over a decode step (None until both were seen)."""
+        count, total = self.verify_time.get(ar, (0, 0.0))
+        if not count or self.num_decode_steps < 2 or ar is None:
+            return None
+        return (total / count) / (self.decode_seconds / self.num_decode_steps)
 
 
 class Engine:
@@ -83,9 +104,10 @@ class Engine:
                    max_positions=cfg.max_positions, reserve=options.kv_reserve, overflow=options.overflow,
                    batch=batch, pad_values=self.quant.kv_pad_values if self.quant else None,
                    heads_per_buffer=self.layout.heads_per_buffer(cfg)),
-            self.kv_strategy, bmc_r=options.bmc_r)
+            self.kv_strategy, bmc_r=options.bmc_r, local=local_tensors(cfg), window=cfg.local_window)
         rope = RopeTable(cfg)
-        self._family = FamilyContext(config=cfg, rope=rope, quant=self.quant)
+        self._family = FamilyContext(config=cfg, rope=rope, quant=self.quant,
+                                     local_rope=RopeTable(cfg, local=True) if cfg.local_layers else None)
         self._runners: dict[str, Runner] = {}
         self._sessions: dict[str, object] = {}  # graph file -> its ORT session
         self._ladder_entries: dict[str, GraphEntry] = {}
@@ -93,16 +115,24 @@ class Engine:
         self._ladder_step = (ladder_step(max_context=self.max_context, override=options.bmc_r)
                              if self.manifest.extra.get("dynamic_past") and self.layout.climbs_ladder else None)
         self._token = np.zeros(1, np.int64)
-        self._verify_time: dict[int, tuple[int, float]] = {}  # AR -> (steps, seconds)
         if weights_from is not None:
             self._shared_weights = weights_from._shared_weights  # one mapping per process, not per engine
         else:
             self._shared_weights = (SharedWeights(self.model_dir / self.manifest.weights_file)
                                     if self.device is Device.CPU and options.share_weights else None)
         self.counters = StepCounters()
+        if options.run_parts:  # part entries exist per exported graph, not per ladder rung
+            self._ladder_step = None
+        self.runahead = Runahead(self, workers=options.prefill_workers) if options.prefill_workers > 1 else None
 
     # -- graphs -------------------------------------------------------------------------
     def runner(self, entry: GraphEntry) -> Runner:
+        if entry.name not in self._runners and self.options.run_parts:
+            parts = part_entries(self.manifest, entry, model_dir=self.model_dir)
+            self._runners[entry.name] = chain_runner(entry, parts, self._open_runner)
+        return self._open_runner(entry)
+
+    def _open_runner(self, entry: GraphEntry) -> Runner:
         if entry.name not in self._runners:
             # Entries may share a file (a symbolic past length serves every rung): one session per file.
             session = self._sessions.get(entry.file) or create_session(
@@ -125,6 +155,8 @@ class Engine:
         for entry in (self._decode[0], *self._prefill[:1], *verify_graphs):
             self._run(entry, self._token)  # writes only slot rows past the (empty) valid region
             self.kv.advance(0)
+        if self.runahead is not None:
+            self.runahead.warm_up()
 
     def load_all(self) -> None:
         for entry in (*self._sink, *self._decode, *self._prefill,
@@ -204,22 +236,13 @@ class Engine:
         t0 = time.perf_counter()
         logits = self._run(self._rung(self._verify[ar], self.num_cached), ids)
         logits = logits[0, :n] if ids.ndim == 1 else logits[:, :n]
-        self.counters.num_verify_steps += 1
-        self.counters.num_verify_rows += ar * self.batch
-        self.counters.num_verify_tokens += int(num_real.sum()) if num_real is not None else ids.size
-        seconds = time.perf_counter() - t0
-        self.counters.verify_seconds += seconds
-        count, total = self._verify_time.get(ar, (0, 0.0))
-        self._verify_time[ar] = (count + 1, total + seconds)
+        self.counters.add_verify(ar=ar, num_rows=ar * self.batch, seconds=time.perf_counter() - t0,
+                                 num_tokens=int(num_real.sum()) if num_real is not None else ids.size)
         return logits
 
     def verify_cost_ratio(self, ar: int | None) -> float | None:
         """Measured time of an AR-row verify step over a decode step (None until both were seen)."""
-        count, total = self._verify_time.get(ar, (0, 0.0))
-        decode = self.counters
-        if not count or decode.num_decode_steps < 2 or ar is None:
-            return None
-        return (total / count) / (decode.decode_seconds / decode.num_decode_steps)
+        return self.counters.verify_cost_ratio(ar)
 
     def commit(self, num_tokens: int | np.ndarray) -> None:
         """Keep the first num_tokens rows the last verify wrote (an array [B]: per sequence)."""
@@ -243,6 +266,8 @@ class Engine:
         start = 0
         if self._sink and self.num_cached == 0:
             logits, start = self._step(self._sink[0], ids[:1]), 1
+        if self.runahead is not None and self.runahead.takes(ids.size - start):
+            logits, start = self.runahead.prefill(ids[start:]), ids.size
         max_prefill_past = self._prefill[-1].shape.past_len if self._prefill else -1
         while start < ids.size:
             rest = ids.size - start
@@ -319,6 +344,12 @@ class Engine:
     def truncate(self, num_tokens: int) -> None:
         """Rewind the cache to its first num_tokens rows (no re-prefill of what stays)."""
         self.kv.truncate(num_tokens)
+
+    def can_truncate(self, num_tokens: int) -> bool:
+        """Whether truncate(num_tokens) can keep every row the next step reads (local layers keep their newest rows
+        only: a rewind past them needs a prefill from the start)."""
+        can = getattr(self.kv, "can_truncate", None)
+        return 0 <= num_tokens <= self.num_cached and (can is None or can(num_tokens))
 
     def reset(self) -> None:
         self.kv.reset()

@@ -55,7 +55,11 @@ class Generator:
             self._logits = self.engine.prefill(ids).copy()
         except BaseException:
             # A failed or interrupted prefill must leave the cache exactly as the token list says.
-            self.engine.truncate(min(num_before, self.engine.num_cached))
+            keep = min(num_before, self.engine.num_cached)
+            if self.engine.can_truncate(keep):
+                self.engine.truncate(keep)
+            else:  # local layers slid past the rows a rewind needs: nothing cached is kept (sync_prefix resets)
+                self.engine.reset()
             self._logits = None
             raise
         self.tokens.extend(ids)
@@ -130,6 +134,7 @@ class Generator:
         """Rewind to the longest cached prefix of `ids`; return what is left to prefill (never empty)."""
         if self.engine.num_cached != len(self.tokens):
             self.reset()  # the engine's cache was used or reset without this generator: nothing cached is known
+        full_ids = ids
         if self.dropped:
             if ids[:len(self.dropped)] != self.dropped:
                 self.reset()  # the conversation changed inside the part that slid out: start over
@@ -145,6 +150,9 @@ class Generator:
         if common > len(self.tokens):  # the pending token starts the new part: append_tokens feeds it
             return ids[common:]
         if common < len(self.tokens):
+            if not self.engine.can_truncate(common):  # local layers no longer hold the rows from there on
+                self.reset()
+                return full_ids
             self.rewind_to(common)
         self._pending = None
         return ids[common:]

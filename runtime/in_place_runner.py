@@ -17,9 +17,10 @@ from .ort_binding import IOBinding
 from .runner import FamilyContext
 
 
-def _by_buffer(specs: tuple[TensorSpec, ...], roles: tuple[Role, Role]) -> list[str]:
-    """Names in the kv_manager's buffer order: buffer g = 2 layer + (V)."""
-    return [s.name for s in sorted((s for s in specs if s.role in roles), key=lambda s: (s.layer, s.role == roles[1]))]
+def _by_buffer(specs: tuple[TensorSpec, ...], roles: tuple[Role, Role]) -> list[tuple[str, int]]:
+    """(name, buffer) in the kv_manager's buffer order: buffer g = 2 layer + (V) (a part binds its layers' only)."""
+    return [(s.name, 2 * s.layer + (s.role == roles[1]))
+            for s in sorted((s for s in specs if s.role in roles), key=lambda s: (s.layer, s.role == roles[1]))]
 
 
 class InPlaceRunner:
@@ -38,16 +39,35 @@ class InPlaceRunner:
         for role, array in ((Role.INPUT_IDS, self.input_ids), (Role.POSITION_IDS, self.position_ids),
                             (Role.SEQLENS_K, self.seqlens_k), (Role.TOTAL_LENGTH, self.total_length),
                             (Role.QUERY_LENGTHS, self.query_lengths)):
-            self._binding.bind_input(names[role], array)
-        logits = next(s for s in entry.outputs if s.role == Role.LOGITS)
-        self.logits = np.zeros(logits.shape, np.float32)  # [B, AR, V], or [B, 1, V]: the last real row only
-        self._binding.bind_output(logits.name, self.logits)
-        self._buffer_names = list(zip(_by_buffer(entry.inputs, KV_INPUT_ROLES),
-                                      _by_buffer(entry.outputs, BUFFER_OUTPUT_ROLES), strict=True))  # (past, present)
+            if role in names:  # a layer-group part (export/parts.py) takes only what its layers read
+                self._binding.bind_input(names[role], array)
+        logits = next((s for s in entry.outputs if s.role == Role.LOGITS), None)
+        # [B, AR, V], or [B, 1, V]: the last real row only; None for a part before the last
+        self.logits = None if logits is None else np.zeros(logits.shape, np.float32)
+        if logits is not None:
+            self._binding.bind_output(logits.name, self.logits)
+        # (past name, present name, buffer index)
+        self._buffer_names = [(past, present, g) for (past, g), (present, _g) in zip(
+            _by_buffer(entry.inputs, KV_INPUT_ROLES), _by_buffer(entry.outputs, BUFFER_OUTPUT_ROLES), strict=True)]
         self._bound: tuple[int, int] | None = None  # (id of the cache, its buffer generation)
+        # local layers (a LayeredKVCache): the row counts of their own buffers
+        self._local = Role.SEQLENS_K_LOCAL in names
+        if self._local:
+            self.seqlens_k_local = np.zeros(b, np.int32)  # [B]
+            self.total_length_local = np.zeros((), np.int32)  # []
+            self._binding.bind_input(names[Role.SEQLENS_K_LOCAL], self.seqlens_k_local)
+            self._binding.bind_input(names[Role.TOTAL_LENGTH_LOCAL], self.total_length_local)
 
     def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
-        self._set_rows(lengths=kv.lengths, positions=kv.positions, num_real=num_real)
+        if self._local:
+            np.add(kv.local_lengths, num_real - 1, out=self.seqlens_k_local)
+            self.total_length_local[...] = max(int(kv.local_lengths.max()) + num_real, self.shape.ar)
+        return self.run_rows(kv, lengths=kv.lengths, positions=kv.positions, num_real=num_real)
+
+    def run_rows(self, kv: KVCache, *, lengths: np.ndarray, positions: np.ndarray, num_real: int) -> np.ndarray:
+        """Run with the new rows at row lengths[b] (position positions[b]) of kv's buffers, whatever kv's own
+        lengths: a KV-Runahead worker writes its chunk's rows there (runtime/runahead.py)."""
+        self._set_rows(lengths=lengths, positions=positions, num_real=num_real)
         self._bind_buffers(kv)
         self._binding.run()
         return self.logits
@@ -65,7 +85,8 @@ class InPlaceRunner:
         key = (id(kv), kv.buffer_generation)
         if key == self._bound:
             return
-        for (past, present), buf in zip(self._buffer_names, kv.buffers(), strict=True):
-            self._binding.bind_input(past, buf)
-            self._binding.bind_output(present, buf)
+        buffers = kv.buffers()
+        for past, present, g in self._buffer_names:
+            self._binding.bind_input(past, buffers[g])
+            self._binding.bind_output(present, buffers[g])
         self._bound = key

@@ -88,9 +88,13 @@ class Model:
     def batch(self, num_responses: int) -> BatchGenerator:
         """Several responses to one prompt, decoded together in the batched graphs (the exported batch size that
         serves num_responses: see batch.batch_rows); `generate(..., num_responses=n)` runs them."""
+        if self.manifest.model.local_layers and not self.manifest.batch_sizes:
+            raise InvalidOption(f"{self.engine.model_dir}: --num-responses is not available for a model with "
+                                "sliding-window layers (its batched graphs are not exported yet); run one at a time")
         num_rows = batch_rows(self.manifest.batch_sizes, num_responses, model_dir=self.engine.model_dir)
         return BatchGenerator(self.engine, self.tokenizer, num_rows=num_rows,
-                              speculator=self._speculator(num_sequences=num_rows))
+                              speculator=self._speculator(num_sequences=num_rows),
+                              segments=self.options.shared_prompt_kv)
 
     def _speculator(self, *, num_sequences: int) -> Speculator | BatchSpeculator | None:
         """A draft model must share the target's tokenizer; one drafter per sequence (a draft model keeps

@@ -65,6 +65,15 @@ class RunOptions:
                                "measured rates, see staticlm bench)", low=1, reloads=True)
     prepack: bool = option(False, "let batched, verify and prefill graphs keep repacked weights: faster, one "
                            "weight copy each", reloads=True)
+    run_parts: bool = option(False, "run every graph as its chain of layer-group parts (a family exported with "
+                             "--parts N)", flag="--parts", reloads=True)
+    prefill_workers: int = option(1, "KV-Runahead: workers that prefill a long prompt in parallel, each on its "
+                                  "share of --threads (an in-place family exported with --parts N)", low=1,
+                                  reloads=True)
+    shared_prompt_kv: bool = option(False, "--num-responses: every row reads one copy of the prompt's K/V through "
+                                    "the family's segmented graphs (cpu families) instead of its own copy: about "
+                                    "1/n of the KV memory, a cheaper step on long prompts, a dearer one on short "
+                                    "ones", reloads=True)
     speculate: str = option("none", "speculative decoding: none, lookup or draft:DIR", reloads=True)
     draft_len: int | None = option(None, "fixed draft length (default: BASS's dynamic one)", low=1, reloads=True)
     # -- each answer -----------------------------------------------------------------------------------
@@ -93,7 +102,8 @@ class RunOptions:
         return EngineOptions(device=DeviceOptions(device=self.device, num_threads=self.num_threads,
                                                   soc_model=self.soc_model),
                              kv_strategy=self.kv_strategy, kv_reserve=self.kv_reserve, overflow=self.overflow,
-                             bmc_r=self.bmc_r, prepack=self.prepack)
+                             bmc_r=self.bmc_r, prepack=self.prepack, run_parts=self.run_parts,
+                             prefill_workers=self.prefill_workers)
 
     def speculate_options(self) -> SpeculateOptions:
         return SpeculateOptions.parse(self.speculate, fixed_length=self.draft_len)

@@ -6,15 +6,17 @@ import numpy as np
 from .family.config import ModelConfig
 
 
-def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin(config: ModelConfig, positions: np.ndarray, *, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [N, D] float64 for positions [N], in HF's rotate_half layout over the first rope_dims dims.
 
     The dims past rope_dims (partial rotary) pass through: cos 1, sin 0. Longrope's attention factor scales
-    the rotated dims only, as transformers scales its cos/sin before applying them to those dims.
+    the rotated dims only, as transformers scales its cos/sin before applying them to those dims. local: the local
+    layers' RoPE (config.local_inv_freq).
     """
-    angles = np.outer(np.asarray(positions, np.float64), config.inv_freq())  # [N, R/2]
+    inv_freq = config.local_inv_freq() if local else config.inv_freq()
+    angles = np.outer(np.asarray(positions, np.float64), inv_freq)  # [N, R/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [N, R]
-    factor = config.rope_attention_factor
+    factor = 1.0 if local else config.rope_attention_factor
     rest = config.head_dim - config.rope_dims
     cos = np.concatenate([np.cos(angles) * factor, np.ones((len(angles), rest))], axis=-1)  # [N, D]
     sin = np.concatenate([np.sin(angles) * factor, np.zeros((len(angles), rest))], axis=-1)  # [N, D]
@@ -22,9 +24,10 @@ def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray
 
 
 class RopeTable:
-    def __init__(self, config: ModelConfig, *, max_positions: int | None = None, dtype=np.float32) -> None:
+    def __init__(self, config: ModelConfig, *, max_positions: int | None = None, dtype=np.float32,
+                 local: bool = False) -> None:
         self.max_positions = max_positions or config.max_positions
-        cos, sin = rope_cos_sin(config, np.arange(self.max_positions))
+        cos, sin = rope_cos_sin(config, np.arange(self.max_positions), local=local)
         self.cos = cos.astype(dtype)  # [max_positions, D]
         self.sin = sin.astype(dtype)
 

@@ -21,6 +21,7 @@ class FamilyContext:
     config: ModelConfig
     rope: RopeTable  # host cos/sin for graphs that take them as inputs
     quant: FamilyQuant | None = None  # boundary quantization of a quantized family
+    local_rope: RopeTable | None = None  # the local layers' cos/sin (a model with local layers)
 
 
 class Runner(Protocol):

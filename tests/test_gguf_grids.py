@@ -119,6 +119,8 @@ def ort_weights(family) -> dict[str, np.ndarray]:
 
     model = onnx.load(str(family / "decode_ar1.onnx"))  # with the weight file's data
     inits = {i.name: i for i in model.graph.initializer}
+    producers = {o: node for node in model.graph.node for o in node.output}
+    concats = {node.output[0]: node for node in model.graph.node if node.op_type == "Concat"}
     out = {}
     for node in model.graph.node:
         if node.op_type == "FusedMatMul" and node.input[1].endswith(".w"):  # a float matrix, kept as it is
@@ -138,7 +140,11 @@ def ort_weights(family) -> dict[str, np.ndarray]:
         single.ir_version = 9
         y = ort.InferenceSession(single.SerializeToString(), providers=["CPUExecutionProvider"]).run(
             None, {"x": np.eye(k, dtype=np.float32)})[0]  # [K, N] = W^T
-        out[node.input[1].removesuffix(".q")] = y.T
+        w = y.T  # [N, K]
+        if node.input[0] in concats:  # [x, S(x)] (folded minima): each block's correction column adds to its inputs
+            k = int(inits[producers[concats[node.input[0]].input[1]].input[1]].dims[0])  # x @ [k, R] block sums
+            w = w[:, :k] + np.repeat(w[:, k:k + k // 32], 32, axis=1)
+        out[node.input[1].removesuffix(".q")] = w
     for linear in {name.rsplit(".", 1)[0] for name in inits if name.endswith(".offsets")}:
         offsets = onnx.numpy_helper.to_array(inits[f"{linear}.offsets"])  # [K/32, N]
         parts = sorted(p for p in out if p == linear or p.startswith(f"{linear}."))
@@ -219,3 +225,45 @@ def test_synthetic_q4_k_m_file_has_llama_cpp_types_and_loads(tmp_path):
     # 320 columns fall back (Q4_K -> Q5_0, Q6_K -> Q8_0); layer 1 of 2 gets more bits (attn_v, ffn_down)
     assert model.grid_summary() == "Q5_0 x 11, Q8_0 x 2, Q4_K x 1, Q6_K x 1"
     assert model.requantized_warning() is None
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K_M"])
+def test_folded_minima_keep_levels_and_scales_and_round_only_the_rest(name, tiny_llama, tmp_path):
+    """--grid-minima folded: the nearest integer zero point per block, the remainder (under half a step) in
+    correction rows rounded at the node's bits. Every weight stays within a tenth of its linear's largest level step
+    of gguf's dequantization (measured: 0.021-0.041; integer zero points alone: up to half a step), and the family
+    agrees with transformers on the same file."""
+    from tiny_archs import write_gguf
+
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.options import CpuOptions, GridMinima
+    from staticlm.export.family import ExportOptions
+    from staticlm.export.sources import load_model
+
+    path = write_gguf(tiny_llama, tmp_path / f"{name}.gguf", arch="llama",
+                      quantize=quantizer(FILES[name], np.random.default_rng(len(name))))
+    out = tmp_path / "family"
+    export_cpu_family(load_model(path), out, options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL,
+                                                                     verify_lens=(4,)),
+                      cpu=CpuOptions(accuracy_level=0, grid_minima=GridMinima.FOLDED))
+    model = load_model(path)
+    got, num_folded = ort_weights(out), 0
+    for layer in range(tiny_llama.config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        for kind, names in {"qkv": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+                            "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                            "o": [p + "self_attn.o_proj.weight"], "down": [p + "mlp.down_proj.weight"]}.items():
+            want = np.concatenate([model.weights[n] for n in names])  # [N, K]
+            w = got[f"l{layer}.{kind}"]
+            num_folded += not np.array_equal(w, want)
+            steps = np.concatenate([np.repeat(model.grids[n].scales, model.grids[n].block, axis=1) for n in names])
+            assert np.abs(w - want).max() <= steps.max() / 10, kind  # exact zero points: up to half a step
+    assert num_folded >= 2 * tiny_llama.config.num_hidden_layers  # every linear whose type has minima
+    from test_cpu_target import hf_teacher_forced, teacher_forced
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype="float32").eval()
+    ids = np.random.default_rng(5).integers(0, 256, 64)
+    got, want = teacher_forced(out, ids), hf_teacher_forced(ref, ids)
+    print(f"{name} folded: max |logit difference| {np.abs(got - want).max():.2e} of {np.abs(want).max():.2f}")
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95

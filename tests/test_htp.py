@@ -69,7 +69,8 @@ def tiny_grid4(tiny_hf_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_w4(tiny_hf_dir, tmp_path_factory) -> Path:
-    return _export(tiny_hf_dir, tmp_path_factory.mktemp("tiny_w4") / "family", quant=Quant.W4A16)
+    # round-to-nearest (`--rounding rtn`); the GPTQ family: tests/test_gptq_blocks.py
+    return _export(tiny_hf_dir, tmp_path_factory.mktemp("tiny_w4") / "family", quant=Quant.W4A16, gptq=None)
 
 
 @pytest.fixture(scope="session")
@@ -571,7 +572,7 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
         fa, fb = feeds.feeds(a), feeds.feeds(b)
         assert fa.keys() == fb.keys() and all(np.array_equal(fa[k], fb[k]) for k in fa)
         if b.position > template.shape.past_len:  # a full window keeps the sink row, then the newest rows
-            name, t = feeds._kv[0]
+            name, t, _local = feeds._kv[0]
             assert np.array_equal(fa[name][0, 0, 0], b.past[t, 0])
             assert np.array_equal(fa[name][0, 0, 1:], b.past[t, b.position - template.shape.past_len + 1:])
 

@@ -19,10 +19,16 @@ from staticlm.runtime.options import RunOptions, flag, run_option_fields  # noqa
 # A value other than the default for every run option, each one that the tiny float family can run with.
 TYPED = {
     "device": "cpu", "num_threads": 1, "soc_model": "69", "kv_strategy": "bmc", "kv_reserve": 3.0,
-    "overflow": "slide", "bmc_r": 8, "prepack": True, "speculate": "lookup", "draft_len": 3, "max_new_tokens": 5,
+    "overflow": "slide", "bmc_r": 8, "prepack": True, "shared_prompt_kv": True,
+    "speculate": "lookup", "draft_len": 3, "max_new_tokens": 5,
     "temperature": 0.5, "top_k": 7, "top_p": 0.9, "min_p": 0.01, "repetition_penalty": 1.2, "seed": 1,
     "stop": ("X",), "ignore_eos": True, "system_prompt": "Be brief.",
 }
+# Options that need a family exported with --parts (an in-place one for the workers): typed and parsed here, run
+# in tests/test_runahead.py; the tests that open tiny_chat_family (float, no parts) leave them out.
+NEEDS_PARTS = {"run_parts": True, "prefill_workers": 2}
+RUNNABLE = dict(TYPED)
+TYPED = {**TYPED, **NEEDS_PARTS}
 
 
 def argv_for(values: dict) -> list[str]:
@@ -84,8 +90,9 @@ def test_every_field_is_typed_here_and_has_a_flag_on_every_command():
 
 def test_generate_applies_every_run_option(tiny_chat_family, monkeypatch, capsys):
     recorder = Recorder(monkeypatch)
-    assert cli.main(["generate", "--model", str(tiny_chat_family), "--prompt", "hi", "--json", *argv_for(TYPED)]) == 0
-    assert_reached(recorder, RunOptions(model_dir=tiny_chat_family, **TYPED))
+    assert cli.main(["generate", "--model", str(tiny_chat_family), "--prompt", "hi", "--json",
+                     *argv_for(RUNNABLE)]) == 0
+    assert_reached(recorder, RunOptions(model_dir=tiny_chat_family, **RUNNABLE))
     summary = json.loads(capsys.readouterr().out)
     assert summary["new_tokens"] <= TYPED["max_new_tokens"] and summary["kv_strategy"] == "bmc"
 
@@ -103,8 +110,8 @@ def test_chat_applies_every_run_option(tiny_chat_family, monkeypatch, capsys):
             raise EOFError from None
 
     monkeypatch.setattr(cli, "run_chat", lambda **kw: chat.run_chat(input_fn=read, **kw))
-    assert cli.main(["chat", "--model", str(tiny_chat_family), *argv_for(TYPED)]) == 0
-    expected = RunOptions(model_dir=tiny_chat_family, **TYPED)
+    assert cli.main(["chat", "--model", str(tiny_chat_family), *argv_for(RUNNABLE)]) == 0
+    expected = RunOptions(model_dir=tiny_chat_family, **RUNNABLE)
     assert_reached(recorder, expected)
     assert recorder.models[0].engine.num_cached > 0  # the answer ran on that engine
 
@@ -121,7 +128,7 @@ def test_app_applies_every_typed_option_over_the_saved_settings(tiny_chat_family
     monkeypatch.setenv("STATICLM_HOME", str(home))
     saved = {"temperature": 0.2, "max_new_tokens": 99, "model_dir": str(tiny_chat_family), "device": "cpu"}
     (home / "settings.json").write_text(json.dumps(saved))
-    typed = {k: v for k, v in TYPED.items() if k not in ("max_new_tokens",)}  # one saved value stays untyped
+    typed = {k: v for k, v in RUNNABLE.items() if k not in ("max_new_tokens",)}  # one saved value stays untyped
     recorder = Recorder(monkeypatch)
     seen = {}
     real_start = MainWindow.start

@@ -15,8 +15,11 @@ NUM_ROT = 12  # Phi-4-mini style partial rotary: 0.75 of head_dim 16
 PHI3_ORIGINAL = 16  # longrope's original context: the tests' families and prompts exceed it, so long factors run
 
 
+GEMMA_WINDOW = 8  # local layers see 8 tokens: the tests' prompts and contexts are longer, so windows slide
+
+
 def _configs():
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     rng = np.random.default_rng(3)
     return {
@@ -34,10 +37,30 @@ def _configs():
                                             "partial_rotary_factor": NUM_ROT / 16,
                                             "short_factor": list(1.0 + rng.random(NUM_ROT // 2)),
                                             "long_factor": list(1.0 + 4 * rng.random(NUM_ROT // 2))}),
+        # Six layers: llama.cpp's GGUF reader makes every sixth global (the converter writes no pattern); head_dim 32
+        # is not hidden/heads (16); linear RoPE scaling on the global layers, base 10000 on the local ones
+        "gemma3": Gemma3TextConfig(**{**BASE, "num_hidden_layers": 6}, head_dim=32, max_position_embeddings=512,
+                                   tie_word_embeddings=True, query_pre_attn_scalar=32, sliding_window=GEMMA_WINDOW,
+                                   hidden_activation="gelu_pytorch_tanh", pad_token_id=0,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                       "rope_theta": 1e6},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     }
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+
+
+def rope_parameters(config) -> dict:
+    """The global layers' rope_parameters (Gemma 3 nests them per layer type)."""
+    return config.rope_parameters.get("full_attention", config.rope_parameters)
+
+
+def inv_freq(model, *, local: bool = False):
+    """transformers' own inverse frequencies (the global layers', or Gemma 3's local ones), float64."""
+    rotary = model.model.rotary_emb
+    name = ("sliding_attention_" if local else "full_attention_") if hasattr(rotary, "layer_types") else ""
+    return getattr(rotary, f"{name}original_inv_freq").numpy().astype(np.float64)
 
 
 def build(arch: str, directory: Path, *, seed: int = 0):
@@ -65,6 +88,8 @@ _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
           "mlp.gate_up_proj": "ffn_up"}
+_GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 
@@ -88,15 +113,15 @@ def write_gguf(model, path: Path, *, arch: str, metadata: dict | None = None,
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = cfg.rope_parameters
+    rope = rope_parameters(cfg)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     out = {}
-    inv_freq = model.model.rotary_emb.original_inv_freq.numpy().astype(np.float64)
-    dims = 2 * len(inv_freq)
+    freqs = inv_freq(model)
+    dims = 2 * len(freqs)
     base = 1.0 / (rope["rope_theta"] ** (np.arange(0, dims, 2, dtype=np.float64) / dims))
     if rope["rope_type"] == "llama3":  # llama.cpp's per-pair divisors
-        out["rope_freqs.weight"] = (base / inv_freq).astype(np.float32)
+        out["rope_freqs.weight"] = (base / freqs).astype(np.float32)
     if rope["rope_type"] == "longrope":
         out["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
         out["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
@@ -104,8 +129,16 @@ def write_gguf(model, path: Path, *, arch: str, metadata: dict | None = None,
         factor = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
         w.add_float32(f"{arch}.rope.scaling.attn_factor",
                       float(np.sqrt(1 + np.log(factor) / np.log(rope["original_max_position_embeddings"]))))
+    gemma = arch == "gemma3"
+    if gemma:  # convert_hf_to_gguf's Gemma3Model: the window, linear scaling; the local layers are llama.cpp's
+        w.add_sliding_window(cfg.sliding_window)
+        if rope["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
     for name, value in model.state_dict().items():
         v = value.numpy().astype(np.float32)
+        if gemma and name.endswith("norm.weight"):
+            v = v + np.float32(1.0)  # the converter stores Gemma's (1 + w) norms as their sum
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if name in _GLOBAL:
@@ -113,7 +146,8 @@ def write_gguf(model, path: Path, *, arch: str, metadata: dict | None = None,
             continue
         parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}
         module = ".".join(parts[3:-1])
-        gname = f"blk.{parts[2]}.{_LAYER[module]}.{parts[-1]}"
+        suffix = _GEMMA_LAYER[module] if gemma and module in _GEMMA_LAYER else _LAYER[module]
+        gname = f"blk.{parts[2]}.{suffix}.{parts[-1]}"
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             v = _permute(v, cfg.num_attention_heads if module == "self_attn.q_proj" else cfg.num_key_value_heads)
         out[gname] = v

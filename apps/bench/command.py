@@ -30,6 +30,8 @@ from .base import (
 )
 from .bmc import bench_bmc
 from .report import print_table, write_outputs
+from .runahead import bench_runahead
+from .segments import bench_segments
 from .serve import bench_serve
 from .spec import bench_responses, bench_speculative
 from .speed import bench_speed
@@ -42,7 +44,9 @@ BENCHMARKS: tuple[tuple[str, Benchmark], ...] = (
     ("strategies", bench_strategies),
     ("speculative", bench_speculative),
     ("responses", bench_responses),
+    ("segments", bench_segments),
     ("serve", bench_serve),
+    ("runahead", bench_runahead),
 )
 MIN_TEXT_TOKENS = 64  # beyond the longest prompt or fill, so every slice of the text is full
 

@@ -149,6 +149,10 @@ def write_outputs(out_dir: Path, rows: list[Row], *, figures: dict, meta: dict) 
         plots.append(plot_strategies(figures["strategy_latency"], out_dir / "strategy_latency.png"))
     if "bmc_attention" in figures:
         plots.append(plot_bmc(figures["bmc_attention"], out_dir / "bmc_attention.png"))
+    if "runahead" in figures:
+        from .runahead import plot_runahead
+
+        plots.append(plot_runahead(figures["runahead"], out_dir / "runahead_ttft.png"))
     speed = plot_speed(rows, out_dir / "decode_vs_context.png")
     plots += [speed] if speed else []
     meta = {**meta, "plots": [p.name for p in plots]}

@@ -19,6 +19,7 @@ from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
 from staticlm.errors import InvalidOption
 from staticlm.export.cpu.family import export_cpu_family, num_cpu_steps
 from staticlm.export.cpu.graph import CpuAttention, CpuOptions, WeightBits
+from staticlm.export.cpu.options import GridMinima
 from staticlm.export.draft import truncate_layers
 from staticlm.export.family import (
     DEFAULT_BATCH_SIZES,
@@ -29,9 +30,12 @@ from staticlm.export.family import (
     export_family,
     num_steps,
 )
+from staticlm.export.gptq.calibrated import format_table
+from staticlm.export.gptq.options import GptqOptions, Rounding, parse_rounding
 from staticlm.export.htp.calibration import calibration_prompts
 from staticlm.export.htp.family import export_quantized_family, num_quant_steps
 from staticlm.export.htp.options import QuantOptions
+from staticlm.export.parts import add_parts, layer_groups
 from staticlm.export.sources import load_model
 from staticlm.runtime.family.manifest import Manifest
 from staticlm.runtime.family.quant_params import KVBits, Quant
@@ -65,7 +69,26 @@ def parse_batch_sizes(text: str | None) -> tuple[int, ...]:
     return () if text.strip().lower() in ("", "none") else _int_list(text, "--batch-sizes")
 
 
-def parse_cpu_options(*, weight_bits: int | None, attention: str | None) -> CpuOptions:
+GRIDS = {"offsets": {"symmetric": False, "offsets": True}, "zero-points": {"symmetric": False, "offsets": False},
+         "symmetric": {"symmetric": True, "offsets": False}}
+
+
+def parse_gptq(rounding: str | None, grid: str | None, *, target: str) -> GptqOptions | None:
+    """--rounding: None for rtn (no calibration), else how the calibrated rounding runs, on --grid's form."""
+    if rounding is not None and rounding.strip().lower() == "rtn":
+        if grid is not None:
+            raise InvalidOption("--grid is the calibrated rounding's: leave it out with --rounding rtn")
+        return None
+    form = (grid or "offsets").strip().lower()
+    if form not in GRIDS or (target == "htp" and form == "zero-points"):
+        choices = "offsets, symmetric" if target == "htp" else ", ".join(GRIDS)
+        raise InvalidOption(f"--grid with --target {target} takes {choices}, got {grid!r}")
+    return GptqOptions(rounding=parse_rounding(rounding) if rounding else Rounding.ACT_ORDER, **GRIDS[form])
+
+
+def parse_cpu_options(*, weight_bits: int | None, attention: str | None, calib: bool | None = None,
+                      rounding: str | None = None, calib_steps: int | None = None, grid: str | None = None,
+                      grid_minima: str | None = None) -> CpuOptions:
     try:
         bits = WeightBits(weight_bits or 4)
     except ValueError:
@@ -74,10 +97,25 @@ def parse_cpu_options(*, weight_bits: int | None, attention: str | None) -> CpuO
         kind = CpuAttention((attention or CpuAttention.GQA.value).lower())
     except ValueError:
         raise InvalidOption(f"--cpu-attention takes gqa or windows, got {attention!r}") from None
-    return CpuOptions(bits=bits, attention=kind)
+    if (rounding is not None or calib_steps is not None or grid is not None) and not calib:
+        raise InvalidOption("--rounding, --grid and --calib-steps with --target cpu need --calib")
+    if calib and bits != WeightBits.INT4:
+        raise InvalidOption("--calib rounds 4-bit weights: leave out --weight-bits 8")
+    try:
+        minima = GridMinima((grid_minima or GridMinima.EXACT.value).lower())
+    except ValueError:
+        raise InvalidOption(f"--grid-minima takes exact or folded, got {grid_minima!r}") from None
+    base = CpuOptions(bits=bits, attention=kind, grid_minima=minima)
+    if not calib:
+        return base
+    if calib_steps is not None and calib_steps < 1:
+        raise InvalidOption(f"--calib-steps must be at least 1, got {calib_steps}")
+    return CpuOptions(bits=bits, attention=kind, grid_minima=minima, calib_steps=calib_steps or base.calib_steps,
+                      gptq=parse_gptq(rounding, grid, target="cpu"))
 
 
-def parse_quant_options(*, quant: str | None, kv_bits: int | None, calib_steps: int | None) -> QuantOptions:
+def parse_quant_options(*, quant: str | None, kv_bits: int | None, calib_steps: int | None,
+                        rounding: str | None = None, grid: str | None = None) -> QuantOptions:
     try:
         q = Quant((quant or "w8a16").lower())
         bits = KVBits(kv_bits or 16)
@@ -86,7 +124,10 @@ def parse_quant_options(*, quant: str | None, kv_bits: int | None, calib_steps: 
                             f"{kv_bits!r}") from None
     if q is Quant.FLOAT:
         raise InvalidOption("--quant float is the default export: leave out --target htp")
-    return QuantOptions(quant=q, kv_bits=bits, **({"calib_steps": calib_steps} if calib_steps is not None else {}))
+    if (rounding is not None or grid is not None) and q is not Quant.W4A16:
+        raise InvalidOption("--rounding and --grid with --target htp need --quant w4a16")
+    return QuantOptions(quant=q, kv_bits=bits, gptq=parse_gptq(rounding, grid, target="htp"),
+                        **({"calib_steps": calib_steps} if calib_steps is not None else {}))
 
 
 # One target: (its progress steps for a model config, its family writer taking (loaded, out_dir, on_step), what it
@@ -95,25 +136,31 @@ Exporter = tuple[Callable[[object], int], Callable[..., Manifest], str]
 
 
 def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | None, cpu_attention: str | None,
-              quant: str | None, kv_bits: int | None, calib_steps: int | None) -> Exporter:
+              quant: str | None, kv_bits: int | None, calib_steps: int | None, calib: bool | None = None,
+              rounding: str | None = None, grid: str | None = None, grid_minima: str | None = None) -> Exporter:
     """The target's writer, every option checked before the (possibly slow) source is read."""
-    target = (target or ("cpu" if weight_bits is not None or cpu_attention is not None else "float")).lower()
-    cpu_flags, htp_flags = (weight_bits, cpu_attention), (quant, kv_bits, calib_steps)
+    target = (target or ("cpu" if weight_bits is not None or cpu_attention is not None or calib else "float")).lower()
+    cpu_flags, htp_flags = (weight_bits, cpu_attention, calib, grid_minima), (quant, kv_bits)
     if target not in ("float", "cpu", "htp"):
         raise InvalidOption(f"unknown --target {target!r}: choose htp, cpu or float (the default)")
     if target != "cpu" and any(o is not None for o in cpu_flags):
-        raise InvalidOption(f"--weight-bits and --cpu-attention need --target cpu, got --target {target}")
+        raise InvalidOption(f"--weight-bits, --cpu-attention, --calib and --grid-minima need --target cpu, got "
+                            f"--target {target}")
     if target != "htp" and any(o is not None for o in htp_flags):
-        raise InvalidOption(f"--quant, --kv-bits and --calib-steps need --target htp, got --target {target}")
+        raise InvalidOption(f"--quant and --kv-bits need --target htp, got --target {target}")
+    if target == "float" and (calib_steps is not None or rounding is not None or grid is not None):
+        raise InvalidOption("--calib-steps, --rounding and --grid need --target htp or --target cpu --calib")
     if target == "cpu":
-        cpu = parse_cpu_options(weight_bits=weight_bits, attention=cpu_attention)
-        return (lambda config: num_cpu_steps(options, config), lambda loaded, out, on_step: export_cpu_family(
+        cpu = parse_cpu_options(weight_bits=weight_bits, attention=cpu_attention, calib=calib, rounding=rounding,
+                                calib_steps=calib_steps, grid=grid, grid_minima=grid_minima)
+        return (lambda config: num_cpu_steps(options, config, calibrated=cpu.gptq is not None),
+                lambda loaded, out, on_step: export_cpu_family(
             loaded, out, options=options, cpu=cpu, on_step=on_step),
             f"CPU ({cpu.attention.value} attention; float weights to int{int(cpu.bits)}, head int{int(cpu.head)})")
     if target == "htp":
-        q = parse_quant_options(quant=quant, kv_bits=kv_bits, calib_steps=calib_steps)
+        q = parse_quant_options(quant=quant, kv_bits=kv_bits, calib_steps=calib_steps, rounding=rounding, grid=grid)
         prompts = calibration_prompts()
-        return (lambda _config: num_quant_steps(options, len(prompts), q.quant),
+        return (lambda config: num_quant_steps(options, len(prompts), q.quant) + q.num_gptq_steps(config),
                 lambda loaded, out, on_step: export_quantized_family(
             loaded, out, options=options, quant=q, prompts=prompts, on_step=on_step), f"{q.quant.value} HTP")
     return lambda _config: num_steps(options), lambda loaded, out, on_step: export_family(
@@ -124,9 +171,11 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
                prefill_len: int | None = None, verify_lens: str | None = None, batch_sizes: str | None = None,
                draft_layers: int | None = None, quiet: bool = False, target: str | None = None,
                quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
-               weight_bits: int | None = None, cpu_attention: str | None = None,
-               on_progress: Callable[[str, int, int], None] | None = None) -> Path:
-    """on_progress(what, done, total) after each step, instead of the progress bar (the desktop app's dialog)."""
+               weight_bits: int | None = None, cpu_attention: str | None = None, calib: bool | None = None,
+               rounding: str | None = None, grid: str | None = None, parts: int | None = None,
+               grid_minima: str | None = None, on_progress: Callable[[str, int, int], None] | None = None) -> Path:
+    """on_progress(what, done, total) after each step, instead of the progress bar (the desktop app's dialog);
+    parts: also write every graph as that many layer-group graphs (export/parts.py)."""
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
     options = ExportOptions(contexts=contexts if isinstance(contexts, tuple) else parse_contexts(contexts),
                             prefill_len=prefill_len,
@@ -134,7 +183,8 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
                             batch_sizes=parse_batch_sizes(batch_sizes))
     num_target_steps, write, what = _exporter(options, target=target, weight_bits=weight_bits,
                                               cpu_attention=cpu_attention, quant=quant, kv_bits=kv_bits,
-                                              calib_steps=calib_steps)
+                                              calib_steps=calib_steps, calib=calib, rounding=rounding, grid=grid,
+                                              grid_minima=grid_minima)
     t0 = time.perf_counter()
     with _progress(1, quiet=quiet, on_progress=on_progress) as report:
         report(f"reading {model}", advance=0)
@@ -148,8 +198,15 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
         if draft_layers is not None:
             loaded = truncate_layers(loaded, draft_layers)
         report("writing weights")
+        if parts is not None:
+            layer_groups(loaded.config.num_layers, parts)  # refused before the (possibly slow) export
         manifest = write(loaded, out_dir, lambda name: report(f"wrote {name}"))
+        if parts is not None:
+            manifest = add_parts(out_dir, parts)
     if not quiet:
+        if manifest.extra.get("weight_rounding"):
+            report = manifest.extra["weight_rounding"]
+            print(format_table(report["error"], report["options"]["rounding"]), file=sys.stderr)
         files = sorted({g.file for g in manifest.graphs})
         print(f"exported {len(files)} {what} graphs serving {len(manifest.graphs)} shapes (KV {manifest.kv_dtype}) "
               f"to {out_dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -188,5 +245,7 @@ def run_export_command(args: argparse.Namespace) -> int:
     run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len,
                verify_lens=args.verify_lens, batch_sizes=args.batch_sizes, draft_layers=args.draft_layers,
                quiet=args.quiet, target=args.target, quant=args.quant, kv_bits=args.kv_bits,
-               calib_steps=args.calib_steps, weight_bits=args.weight_bits, cpu_attention=args.cpu_attention)
+               calib_steps=args.calib_steps, weight_bits=args.weight_bits, cpu_attention=args.cpu_attention,
+               calib=args.calib, rounding=args.rounding, grid=args.grid, parts=args.parts,
+               grid_minima=args.grid_minima)
     return 0

@@ -79,7 +79,7 @@ def _generate_one(model: Model, prompt: str, *, chat: bool, as_json: bool) -> tu
 
 def _generate_batch(model: Model, ids: list[int], *, num_responses: int, as_json: bool) -> tuple[dict, bool]:
     batch = model.batch(num_responses)
-    batch.batch.warm_up()
+    batch.batch.warm_up(verify=batch.speculator is not None)  # each session holds its own prepacked weights
     flag = StopFlag()
     t0 = time.perf_counter()
     with sigint_sets(flag):
@@ -95,6 +95,7 @@ def _generate_batch(model: Model, ids: list[int], *, num_responses: int, as_json
         "first_response_s": round(min(r.last_token_s for r in responses), 4),
         "mean_response_s": round(sum(r.last_token_s for r in responses) / len(responses), 4),
         "device": model.engine.device_name, "kv_copied_bytes": int(batch.batch.kv.stats.copied_bytes),
+        "kv_bytes": batch.kv_bytes,
     }
     speculator = batch.speculator
     if speculator is not None:

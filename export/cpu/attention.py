@@ -31,7 +31,8 @@ class RopeTables:
     """Per-graph RoPE inputs shared by every layer: position_ids [B, AR], cos/sin caches [B AR, R/2] (R: the
     rotated dims, rope_dims; the rest of each head passes through)."""
 
-    def __init__(self, graph: CpuLlamaGraph) -> None:
+    def __init__(self, graph: CpuLlamaGraph, *, local: bool = False) -> None:
+        """local: from the local layers' rope_cos_local/rope_sin_local inputs."""
         g, s, d, r = graph.g, graph.s, graph.c.head_dim, graph.c.rope_dims
         rows = s.batch * s.ar
         self.position_ids = g.const(np.arange(rows).reshape(s.batch, s.ar))  # row r reads cache row r
@@ -41,7 +42,8 @@ class RopeTables:
             flat = g.op("Reshape", name, g.const([rows, d]))
             return g.op("Slice", flat, g.const([0]), g.const([r // 2]), g.const([1]))
 
-        self.cos, self.sin = half(Role.ROPE_COS.value), half(Role.ROPE_SIN.value)
+        cos, sin = (Role.ROPE_COS_LOCAL, Role.ROPE_SIN_LOCAL) if local else (Role.ROPE_COS, Role.ROPE_SIN)
+        self.cos, self.sin = half(cos.value), half(sin.value)
 
     def apply(self, graph: CpuLlamaGraph, x: str, num_heads: int) -> str:
         """x [B, AR, n D] -> rotated [B, AR, n D]."""
@@ -61,10 +63,11 @@ def head_norm(graph: CpuLlamaGraph, x: str, layer: int, kind: str, *, num_heads:
     return g.op("Reshape", y, g.const([s.batch, s.ar, num_heads * c.head_dim]))
 
 
-def grouped_bias(graph: CpuLlamaGraph) -> str:
-    """attention_bias [B, 1, AR, P+AR] -> [B, 1, g AR, P+AR], the row order of grouped queries (once per graph)."""
+def grouped_bias(graph: CpuLlamaGraph, *, local: bool = False) -> str:
+    """attention_bias [B, 1, AR, P+AR] -> [B, 1, g AR, P+AR], the row order of grouped queries (once per graph);
+    local: attention_bias_local."""
     g, s, grp = graph.g, graph.s, graph.c.group_size
-    bias = Role.ATTENTION_BIAS.value
+    bias = (Role.ATTENTION_BIAS_LOCAL if local else Role.ATTENTION_BIAS).value
     if s.ar == 1 or grp == 1:
         return bias  # one row broadcasts over the group
     return g.op("Tile", bias, g.const([1, 1, grp, 1]))  # the small mask, never KV
@@ -115,16 +118,17 @@ def sequence_attention(graph: CpuLlamaGraph, layer: int, seq: int | None, *, q: 
     scores = g.op("Concat", *s_past, s_new, axis=-1) if hkv == 1 else \
         g.op("Concat", g.op("Concat", *s_past, axis=1), s_new, axis=-1)  # [1, Hkv, g AR, P + AR]
     probs = g.op("Softmax", g.op("Add", scores, bias), axis=-1)
-    p_past, p_new = graph.split_probs(probs)  # [1, Hkv, g AR, P], [1, Hkv, g AR, AR]
+    p_past, p_new = graph.split_probs(probs, layer)  # [1, Hkv, g AR, P], [1, Hkv, g AR, AR]
     p_parts = _parts(graph, p_past, hkv, axis=1)
     o_past = [g.op("MatMul", p_parts[h], kv_name(Role.PAST_VALUE, layer, h, seq)) for h in range(hkv)]
     o_past = o_past[0] if hkv == 1 else g.op("Concat", *o_past, axis=1)  # [1, Hkv, g AR, D]
     return g.op("Add", o_past, g.op("MatMul", p_new, v))
 
 
-def attention(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables, bias: str) -> str:
-    """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden]."""
-    g, c, s = graph.g, graph.c, graph.s
+def qkv_heads(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables) -> tuple[str, str, str]:
+    """x [B, AR, hidden] (normed) -> q [B, Hkv, g AR, D], k and v [B, Hkv, AR, D]: the projection, its biases,
+    the q/k norms and RoPE."""
+    g, c = graph.g, graph.c
     hd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
     if c.attention_bias:
@@ -133,8 +137,14 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables, bia
     q = head_norm(graph, q, layer, "q", num_heads=c.num_heads)
     k = head_norm(graph, k, layer, "k", num_heads=c.num_kv_heads)
     q = to_heads(graph, rope.apply(graph, q, c.num_heads), num_heads=c.num_heads, group=c.group_size)
-    k = to_heads(graph, rope.apply(graph, k, c.num_kv_heads), num_heads=c.num_kv_heads)  # [B, Hkv, AR, D]
-    v = to_heads(graph, v, num_heads=c.num_kv_heads)
+    k = to_heads(graph, rope.apply(graph, k, c.num_kv_heads), num_heads=c.num_kv_heads)
+    return q, k, to_heads(graph, v, num_heads=c.num_kv_heads)
+
+
+def attention(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables, bias: str) -> str:
+    """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden]."""
+    g, s = graph.g, graph.s
+    q, k, v = qkv_heads(graph, layer, x, rope=rope)
     if s.batch == 1:
         o = sequence_attention(graph, layer, None, q=q, k=k, v=v, bias=bias)
     else:  # each sequence attends over its own windows (its own KV inputs)
@@ -147,8 +157,19 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables, bia
 def mlp(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     g, i = graph.g, graph.c.intermediate_size
     gate, up = g.op("Split", graph.linear(x, f"l{layer}.gate_up"), g.const([i, i]), axis=-1, num_outputs=2)
-    silu = g.op("Mul", gate, g.op("Sigmoid", gate))  # ORT fuses this pair into QuickGelu(alpha=1)
-    return graph.linear(g.op("Mul", silu, up), f"l{layer}.down")
+    if graph.c.mlp_activation == "gelu_tanh":  # ORT's FastGelu is GELU's tanh approximation
+        act = g.op("FastGelu", gate, domain=MS_DOMAIN)
+    else:
+        act = g.op("Mul", gate, g.op("Sigmoid", gate))  # ORT fuses this pair into QuickGelu(alpha=1)
+    return graph.linear(g.op("Mul", act, up), f"l{layer}.down")
+
+
+def post_norm(graph: CpuLlamaGraph, x: str, layer: int, kind: str) -> str:
+    """Sandwich norms (Gemma 3): the attention's or MLP's output normed before its residual add, else x."""
+    if not graph.c.sandwich_norms:
+        return x
+    return graph.g.op("SimplifiedLayerNormalization", x, graph.g.weight(f"l{layer}.{kind}_post_norm"), axis=-1,
+                      epsilon=float(graph.c.rms_norm_eps))
 
 
 def decoder(graph: CpuLlamaGraph, h: str) -> str:
@@ -160,11 +181,14 @@ def decoder(graph: CpuLlamaGraph, h: str) -> str:
     g, c = graph.g, graph.c
     eps = float(c.rms_norm_eps)
     rope, bias = RopeTables(graph), grouped_bias(graph)
+    if c.local_layers:  # the local layers' RoPE base and sliding mask
+        local_rope, local_bias = RopeTables(graph, local=True), grouped_bias(graph, local=True)
     x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=eps)
     for layer in range(c.num_layers):
-        a = attention(graph, layer, x, rope=rope, bias=bias)
-        x, h = _skip_norm(graph, a, h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
-        m = mlp(graph, layer, x)
+        local = c.is_local(layer)
+        a = attention(graph, layer, x, rope=local_rope if local else rope, bias=local_bias if local else bias)
+        x, h = _skip_norm(graph, post_norm(graph, a, layer, "attn"), h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
+        m = post_norm(graph, mlp(graph, layer, x), layer, "mlp")
         nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
         x, h = _skip_norm(graph, m, h, nxt, tag=f"l{layer}_out")
     return x

@@ -7,18 +7,21 @@ past length (the BMC ladder's finer rungs) through that file.
 """
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import onnx
 
 from staticlm.export.family import TOKENIZER_FILE, WEIGHTS_FILE, ExportOptions, special_tokens, staged_family
+from staticlm.export.gptq.traces import calibrated_rounding
 from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.contract import GraphShape, graph_io, in_place_graph_io
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256
 
 from .graph import CpuAttention, CpuLlamaGraph, CpuOptions, write_cpu_weights
+from .segment_attention import export_segment_graphs, segment_shapes, segments_supported
 
 TARGET = "cpu"
 
@@ -34,7 +37,13 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
     config, options, cpu = model.config, options or ExportOptions(), cpu or CpuOptions()
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
+    options = options.for_config(config)
     step = on_step or (lambda _name: None)
+    rounding = None
+    if cpu.gptq is not None and cpu.bits == 4:
+        with tempfile.TemporaryDirectory(prefix=f".{Path(out_dir).name}.calib.", dir=Path(out_dir).parent) as tmp:
+            model, rounding = calibrated_rounding(model, Path(tmp), options=options, gptq=cpu.gptq,
+                                                  calib_steps=cpu.calib_steps, step=step)
     with staged_family(out_dir) as work:
         writer = WeightFileWriter(work / WEIGHTS_FILE)
         plans = write_cpu_weights(config, model, writer, cpu,
@@ -63,13 +72,17 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             file = graph_file(kind, shape)
             entries.append(GraphEntry(name=name, file=file, kind=kind, shape=shape, inputs=inputs, outputs=outputs,
                                       sha256=hashes[file]))
+        # segment KV for several responses: the prompt's K/V shared by every sequence (segment_attention.py)
+        entries += export_segment_graphs(config, shapes, work=work, writer=writer, cpu=cpu, plans=plans,
+                                         on_step=step)
         (work / TOKENIZER_FILE).write_text(model.tokenizer_json)
         manifest = Manifest(
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
             special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
             extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True,
-                   **({"source_grids": model.grid_summary()} if model.grids else {})})
+                   **({"source_grids": model.grid_summary()} if model.grid_summary() else {}),
+                   **({"weight_rounding": rounding} if rounding else {})})
         manifest.save(work)
         step("manifest")
     return manifest
@@ -80,6 +93,9 @@ def _last_logits_only(*, cpu: CpuOptions, kind: GraphKind, shape: GraphShape, pr
     return cpu.attention is CpuAttention.GQA and kind is GraphKind.PREFILL and shape.ar == prefill_len
 
 
-def num_cpu_steps(options: ExportOptions, config) -> int:
-    """One step per layer's weights, the rest of the weights, each graph file and the manifest."""
-    return config.num_layers + len({graph_file(kind, shape) for _n, kind, shape in options.shapes()}) + 2
+def num_cpu_steps(options: ExportOptions, config, *, calibrated: bool = False) -> int:
+    """One step per layer's weights, the rest of the weights, each graph file and the manifest (calibrated: the
+    calibration family, its traces, its sampled answers and one GPTQ step per layer before them)."""
+    extra = config.num_layers + 3 if calibrated else 0
+    return (config.num_layers + extra + len({graph_file(kind, shape) for _n, kind, shape in options.shapes()}) + 2
+            + (len(segment_shapes(options.shapes())) if segments_supported(config) else 0))

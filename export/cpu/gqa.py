@@ -23,19 +23,20 @@ from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import Role, buffer_name
 from staticlm.runtime.rope import rope_cos_sin
 
-from .attention import _skip_norm, head_norm, mlp
+from .attention import _skip_norm, head_norm, mlp, post_norm
 
 if TYPE_CHECKING:
     from .graph import CpuLlamaGraph
 
 MS_DOMAIN = "com.microsoft"
 ROPE_COS, ROPE_SIN = "rope_cos_half", "rope_sin_half"
+LOCAL = "_local"  # suffix of the local layers' caches and row counts
 
 
-def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(config: ModelConfig, *, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_positions, R/2]: GroupQueryAttention's caches (HF's rotate_half pairs i and i + R/2 of the
-    first R = rope_dims dims; longrope's attention factor included)."""
-    cos, sin = rope_cos_sin(config, np.arange(config.max_positions))  # [max_positions, D]
+    first R = rope_dims dims; longrope's attention factor included); local: the local layers' RoPE base."""
+    cos, sin = rope_cos_sin(config, np.arange(config.max_positions), local=local)  # [max_positions, D]
     half = config.rope_dims // 2
     return cos[:, :half].astype(np.float32), sin[:, :half].astype(np.float32)
 
@@ -43,6 +44,11 @@ def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden]."""
     g, c = graph.g, graph.c
+    # A local layer: its own RoPE caches and row counts (its buffers hold its newest rows only), and a window
+    local = c.is_local(layer)
+    suffix = LOCAL if local else ""
+    rope_cos, rope_sin = g.weight(ROPE_COS + suffix), g.weight(ROPE_SIN + suffix)
+    window = {"local_window_size": c.local_window} if local else {}  # the keys a query sees, itself included
     qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
     if c.attention_bias:
         qkv = g.op("Add", qkv, g.weight(f"l{layer}.qkv_bias"))
@@ -53,18 +59,19 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
         q = head_norm(graph, q, layer, "q", num_heads=c.num_heads)  # [B, AR, H D]
         k = head_norm(graph, k, layer, "k", num_heads=c.num_kv_heads)  # [B, AR, Hkv D]
         if not inner_rope:
-            q, k = (g.op("RotaryEmbedding", t, Role.POSITION_IDS.value, g.weight(ROPE_COS), g.weight(ROPE_SIN),
+            q, k = (g.op("RotaryEmbedding", t, Role.POSITION_IDS.value, rope_cos, rope_sin,
                          domain=MS_DOMAIN, num_heads=n, interleaved=0, rotary_embedding_dim=c.rope_dims)
                     for t, n in ((q, c.num_heads), (k, c.num_kv_heads)))
         qkv_inputs = [q, k, v]
     past_k, past_v = buffer_name(Role.PAST_KEY, layer), buffer_name(Role.PAST_VALUE, layer)
-    inputs = [*qkv_inputs, past_k, past_v, Role.SEQLENS_K.value, Role.TOTAL_LENGTH.value,
-              g.weight(ROPE_COS) if inner_rope else "", g.weight(ROPE_SIN) if inner_rope else "",
+    inputs = [*qkv_inputs, past_k, past_v, Role.SEQLENS_K.value + suffix, Role.TOTAL_LENGTH.value + suffix,
+              rope_cos if inner_rope else "", rope_sin if inner_rope else "",
               Role.POSITION_IDS.value if inner_rope else "",
               "", "", "", "", "", "", Role.QUERY_LENGTHS.value]  # attention_bias .. k_norm_weight unused
     outputs = [f"l{layer}_attn", buffer_name(Role.PRESENT_KEY, layer), buffer_name(Role.PRESENT_VALUE, layer)]
     g.op("GroupQueryAttention", *inputs, domain=MS_DOMAIN, outputs=outputs, num_heads=c.num_heads,
-         kv_num_heads=c.num_kv_heads, do_rotary=int(inner_rope), rotary_interleaved=0, scale=c.attention_scale)
+         kv_num_heads=c.num_kv_heads, do_rotary=int(inner_rope), rotary_interleaved=0, scale=c.attention_scale,
+         **window)
     return graph.linear(outputs[0], f"l{layer}.o")
 
 
@@ -80,7 +87,8 @@ def decoder(graph: CpuLlamaGraph, h: str) -> str:
     g, c = graph.g, graph.c
     x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=float(c.rms_norm_eps))
     for layer in range(c.num_layers):
-        x, h = _skip_norm(graph, attention(graph, layer, x), h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
+        a = post_norm(graph, attention(graph, layer, x), layer, "attn")
+        x, h = _skip_norm(graph, a, h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
         nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
-        x, h = _skip_norm(graph, mlp(graph, layer, x), h, nxt, tag=f"l{layer}_out")
+        x, h = _skip_norm(graph, post_norm(graph, mlp(graph, layer, x), layer, "mlp"), h, nxt, tag=f"l{layer}_out")
     return x

@@ -34,6 +34,7 @@ __all__ = ["CpuAttention", "CpuLlamaGraph", "CpuOptions", "WeightBits", "write_c
 MS_DOMAIN = "com.microsoft"
 PAST_DIM = "past_len"
 BIAS_DIM = "past_len_plus_ar"
+LOCAL_PAST_DIM, LOCAL_BIAS_DIM, LOCAL_ROWS_DIM = "local_past_len", "local_past_len_plus_ar", "local_kv_rows"
 ROWS_DIM = "kv_rows"
 
 
@@ -44,7 +45,7 @@ class CpuLlamaGraph(LlamaGraph):
         self.options, self.plans = options, plans  # plans: weights.write_cpu_weights' linears
         self.last_logits_only = last_logits_only  # in-place prompt graphs: see in_place_graph_io
         self._writer = weights
-        self._split_sizes: str | None = None  # [P, AR] for split_probs, built on first use
+        self._split_sizes: dict[bool, str] = {}  # [P, AR] for split_probs (by local or not), built on first use
 
     def _matmul_nbits(self, x: str, part: MatMulPart, *, k: int) -> str:
         g = self.g
@@ -119,15 +120,17 @@ class CpuLlamaGraph(LlamaGraph):
     def lm_head(self, h: str) -> str:
         return self.linear(h, HEAD)
 
-    def split_probs(self, probs: str) -> list[str]:
+    def split_probs(self, probs: str, layer: int = 0) -> list[str]:
         """[.., P + AR] -> [.., P], [.., AR]: one Split per layer; P is symbolic, so its size is read once
-        per graph from a past input's shape (Shape, Slice, Concat) instead of two Slices per layer."""
-        g = self.g
-        if self._split_sizes is None:
-            past = kv_name(Role.PAST_KEY, 0, 0, None if self.s.batch == 1 else 0)
+        per graph from a past input's shape (Shape, Slice, Concat) instead of two Slices per layer (a local layer's
+        P from a local layer's past input)."""
+        g, local = self.g, self.c.is_local(layer)
+        if local not in self._split_sizes:
+            first = next(i for i in range(self.c.num_layers) if self.c.is_local(i) == local)
+            past = kv_name(Role.PAST_KEY, first, 0, None if self.s.batch == 1 else 0)
             p = g.op("Slice", g.op("Shape", past), g.const([2]), g.const([3]))  # [1]: P
-            self._split_sizes = g.op("Concat", p, g.const([self.s.ar]), axis=0)
-        return g.op("Split", probs, self._split_sizes, axis=-1, num_outputs=2)
+            self._split_sizes[local] = g.op("Concat", p, g.const([self.s.ar]), axis=0)
+        return g.op("Split", probs, self._split_sizes[local], axis=-1, num_outputs=2)
 
     def build(self, name: str) -> onnx.ModelProto:
         g, c, s = self.g, self.c, self.s
@@ -136,7 +139,8 @@ class CpuLlamaGraph(LlamaGraph):
             raise ValueError("last-row logits need the in-place layout (its query_seqlens input)")
         inputs, outputs = (in_place_graph_io(c, s, last_logits_only=self.last_logits_only) if gqa
                            else graph_io(c, s))
-        h = (gqa_decoder if gqa else windows_decoder)(self, self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
+        h = self.scale_embedding(self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
+        h = (gqa_decoder if gqa else windows_decoder)(self, h)  # [B, AR, hidden]
         h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))  # [B AR, hidden]
         rows = s.ar
         if self.last_logits_only:  # row b AR + query_seqlens[b] - 1 of each sequence b
@@ -147,24 +151,30 @@ class CpuLlamaGraph(LlamaGraph):
         model = g.model(name=name, inputs=inputs, outputs=outputs,
                         doc=f"staticlm {name} (cpu): AR={s.ar}, P<={s.past_len}, S={s.context}")
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-        (_make_rows_symbolic if gqa else _make_past_symbolic)(model)
+        (_make_rows_symbolic if gqa else _make_past_symbolic)(model, c)
         return model
 
 
-def _make_rows_symbolic(model: onnx.ModelProto) -> None:
-    """In-place buffers [B, Hkv, C, D] -> [B, Hkv, kv_rows, D]: the kv_manager chooses C."""
+def _make_rows_symbolic(model: onnx.ModelProto, config: ModelConfig) -> None:
+    """In-place buffers [B, Hkv, C, D] -> [B, Hkv, kv_rows, D]: the kv_manager chooses C (a local layer's buffers:
+    local_kv_rows, their own count)."""
     for value in (*model.graph.input, *model.graph.output):
         if value.name.startswith(tuple(f"{r.value}_" for r in (Role.PAST_KEY, Role.PAST_VALUE, Role.PRESENT_KEY,
                                                                   Role.PRESENT_VALUE))):
-            value.type.tensor_type.shape.dim[2].dim_param = ROWS_DIM
+            local = config.is_local(int(value.name.rsplit("_", 1)[1]))  # past_key_{layer}
+            value.type.tensor_type.shape.dim[2].dim_param = LOCAL_ROWS_DIM if local else ROWS_DIM
 
 
-def _make_past_symbolic(model: onnx.ModelProto) -> None:
-    """Past inputs [1, 1, P, D] -> [1, 1, past_len, D]; the bias [B, 1, AR, P+AR] -> [.., past_len_plus_ar]."""
+def _make_past_symbolic(model: onnx.ModelProto, config: ModelConfig) -> None:
+    """Past inputs [1, 1, P, D] -> [1, 1, past_len, D]; the bias [B, 1, AR, P+AR] -> [.., past_len_plus_ar]; a
+    local layer's past and the local bias: local_past_len (min(P, W-1)) and local_past_len_plus_ar."""
     past_names = {r.value for r in KV_INPUT_ROLES}
     for value in model.graph.input:
         dims = value.type.tensor_type.shape.dim
-        if value.name.startswith(tuple(f"{n}_" for n in past_names)):
-            dims[2].dim_param = PAST_DIM
+        if value.name.startswith(tuple(f"{n}_" for n in past_names)):  # past_key_{layer}_h{h}[_s{seq}]
+            local = config.is_local(int(value.name.split("_")[2]))
+            dims[2].dim_param = LOCAL_PAST_DIM if local else PAST_DIM
         elif value.name == Role.ATTENTION_BIAS.value:
             dims[3].dim_param = BIAS_DIM
+        elif value.name == Role.ATTENTION_BIAS_LOCAL.value:
+            dims[3].dim_param = LOCAL_BIAS_DIM

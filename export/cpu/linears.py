@@ -20,6 +20,8 @@ import numpy as np
 
 from staticlm.export.sources.gguf_grids import FloatWeight, WeightGrid
 
+from .quant import correction_rows
+
 OFFSET_BLOCK = 32  # every type with minima has 32-input blocks
 FLOAT_BITS = 32
 
@@ -77,8 +79,9 @@ def concat_grids(grids: list[WeightGrid | FloatWeight]) -> WeightGrid | FloatWei
     if isinstance(first, FloatWeight):
         return FloatWeight(qtype=qtype, values=np.concatenate([g.values for g in grids]))
     mins = None if first.mins is None else np.concatenate([g.mins for g in grids])
+    zeros = None if first.zeros is None else np.concatenate([g.zeros for g in grids])
     return WeightGrid(qtype=qtype, block=first.block, levels=np.concatenate([g.levels for g in grids]),
-                      scales=np.concatenate([g.scales for g in grids]), mins=mins, mid=first.mid)
+                      scales=np.concatenate([g.scales for g in grids]), mins=mins, mid=first.mid, zeros=zeros)
 
 
 def grid_key(grid: WeightGrid | FloatWeight | None) -> tuple:
@@ -87,7 +90,7 @@ def grid_key(grid: WeightGrid | FloatWeight | None) -> tuple:
         return ("float",)
     if isinstance(grid, FloatWeight):
         return ("exact float",)
-    return (grid.bits, grid.block, grid.mid, grid.mins is None)
+    return (grid.bits, grid.block, grid.mid, grid.mins is None, grid.zeros is None)
 
 
 def write_grid_part(writer, weight: str, grid: WeightGrid | FloatWeight) -> MatMulPart:
@@ -106,8 +109,34 @@ def write_grid_part(writer, weight: str, grid: WeightGrid | FloatWeight) -> MatM
 
 def grid_offsets(grids: list[WeightGrid | FloatWeight | None], *, ns: list[int], k: int) -> np.ndarray | None:
     """C [K/32, N] for the projections of one linear (zero for those without minima), or None if none has any."""
-    offsets = [g.offsets() if isinstance(g, WeightGrid) else None for g in grids]
+    # a grid of larger blocks (a float source's GPTQ blocks of 64 or 128) repeats its offset over each 32 of them
+    offsets = [np.repeat(g.offsets(), g.block // OFFSET_BLOCK, axis=1) if isinstance(g, WeightGrid) and
+               g.mins is not None else None for g in grids]
     if all(o is None for o in offsets):
         return None
     cols = [o if o is not None else np.zeros((n, k // OFFSET_BLOCK), np.float32) for o, n in zip(offsets, ns)]
     return np.ascontiguousarray(np.concatenate(cols).T)  # [K/32, N]
+
+
+def write_folded_grid_part(writer, weight: str, grid: WeightGrid, quant) -> MatMulPart:
+    """A grid with minima as MatMulNBits over [x, S(x)] (GridMinima.FOLDED): its own levels and scales, the
+    nearest integer zero point z' per block, and the remainder eps = c + s (z' - z0) per block (under half a
+    step) in correction rows that `quant` (quant.BlockQuantizer at the grid's bits) rounds: w = s (q - z') + eps."""
+    n, k = grid.shape
+    z0, c, s = grid.zero_points().astype(np.float32), grid.offsets(), grid.scales  # [N, K/32] each
+    safe = np.where(s > 0, s, 1.0)
+    z = np.clip(np.rint(z0 - c / safe), 0, (1 << grid.bits) - 1).astype(np.uint8)
+    z = np.where(s > 0, z, z0.astype(np.uint8))
+    eps = c + s * (z.astype(np.float32) - z0)  # [N, K/32]
+    rows = np.zeros((correction_rows(k, grid.block), n), np.float32)  # [R, N], zero-padded to whole blocks
+    rows[:k // grid.block] = eps.T
+    packed, scales, zp = quant.quantize(rows)  # [N, R/32, blob], [N, R/32], packed zero points
+    num_blocks = rows.shape[0] // grid.block
+    zp_values = (np.stack([zp & 15, zp >> 4], -1).reshape(n, -1)[:, :num_blocks] if grid.bits == 4
+                 else zp.reshape(n, num_blocks))
+    writer.add(f"{weight}.q", np.concatenate([pack_levels(grid.levels, bits=grid.bits, block=grid.block),
+                                              packed.reshape(n, num_blocks, -1)], axis=1))
+    writer.add(f"{weight}.scales", np.concatenate([s, scales.reshape(n, num_blocks)], axis=1).astype(np.float32))
+    writer.add(f"{weight}.zp", pack_zero_points(np.concatenate([z, zp_values], axis=1), bits=grid.bits))
+    return MatMulPart(weight=weight, n=n, bits=grid.bits, block=grid.block, zero_points=True, corrected=True,
+                      symmetric=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
+from staticlm.export.gptq.options import GptqOptions
 from staticlm.runtime.family.contract import KVLayout
 
 
@@ -15,6 +16,15 @@ class CpuAttention(str, Enum):
     @property
     def kv_layout(self) -> KVLayout:
         return KVLayout.IN_PLACE if self is CpuAttention.GQA else KVLayout.PER_HEAD
+
+
+class GridMinima(str, Enum):
+    """How a GGUF grid's per-block minima (Q4_1, Q4_K, Q5_1, Q5_K) reach MatMulNBits, whose zero points are integers."""
+    EXACT = "exact"  # offsets C [K/32, N] through a float MatMul of x's block sums: every weight bit-exact
+    # the nearest integer zero point, and the rest (under half a step per block) in the correction rows of quant.py,
+    # rounded there to the node's bits: weights within a small fraction of a step, two small nodes per linear
+    # fewer (the offsets' Reshape, ReduceSum, MatMul and Add against the rows' MatMul and Concat)
+    FOLDED = "folded"
 
 
 class WeightBits(IntEnum):
@@ -49,6 +59,11 @@ class CpuOptions:
     # (`down` the most).
     corrected: frozenset[str] = frozenset({"qkv", "o", "gate_up", "down"})
     attention: CpuAttention = CpuAttention.GQA
+    grid_minima: GridMinima = GridMinima.EXACT  # layer linears only; the head keeps its minima exact
+    # `--calib`: the float projections GPTQ-rounded on recorded calibration traces (export/gptq/), kept as grids
+    # (no correction rows: GPTQ already carries each block's error onto the rest); None: nearest rounding
+    gptq: GptqOptions | None = None
+    calib_steps: int = 96  # recorded decoding steps, as `--target htp` records them
 
     def corrects(self, weight: str, k: int) -> bool:
         """Whether layer weight `l{i}.{kind}` with K inputs carries correction rows (they must start a new block)."""
@@ -68,4 +83,6 @@ class CpuOptions:
                 "block_size": self.block_size, "block_correction": self.block_correction,
                 "corrected": sorted(self.corrected) if self.block_correction else [],
                 "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
-                "accuracy_level": self.accuracy_level, "attention": self.attention.value}
+                "accuracy_level": self.accuracy_level, "attention": self.attention.value,
+                "grid_minima": self.grid_minima.value,
+                **({"gptq": self.gptq.to_dict(), "calib_steps": self.calib_steps} if self.gptq else {})}

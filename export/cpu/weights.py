@@ -11,13 +11,23 @@ from itertools import groupby
 
 import numpy as np
 
+from staticlm.export.graph.llama import layer_norms
 from staticlm.export.sources.gguf_grids import FloatWeight, WeightGrid
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.config import ModelConfig
 
-from .gqa import ROPE_COS, ROPE_SIN, rope_tables
-from .linears import LinearPlan, MatMulPart, concat_grids, grid_key, grid_offsets, write_grid_part
-from .options import CpuAttention, CpuOptions
+from .gqa import LOCAL, ROPE_COS, ROPE_SIN, rope_tables
+from .linears import (
+    OFFSET_BLOCK,
+    LinearPlan,
+    MatMulPart,
+    concat_grids,
+    grid_key,
+    grid_offsets,
+    write_folded_grid_part,
+    write_grid_part,
+)
+from .options import CpuAttention, CpuOptions, GridMinima
 from .quant import BlockQuantizer
 
 HEAD = "head_t"  # the head's linear [hidden, V]; a tied embedding gathers from its table
@@ -46,8 +56,8 @@ def write_cpu_weights(config: ModelConfig, model, writer: WeightFileWriter, opti
     writer.add("final_norm", hf["model.norm.weight"].astype(f32))
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
-        writer.add(f"l{layer}.attn_norm", hf[p + "input_layernorm.weight"].astype(f32))
-        writer.add(f"l{layer}.mlp_norm", hf[p + "post_attention_layernorm.weight"].astype(f32))
+        for name, hf_name in layer_norms(config, layer).items():  # attn_norm, mlp_norm (and Gemma's post norms)
+            writer.add(name, hf[hf_name].astype(f32))
         for kind, projections in LAYER_LINEARS.items():
             linear(f"l{layer}.{kind}", [f"{p}{proj}.weight" for proj in projections])
         if config.attention_bias:
@@ -66,6 +76,10 @@ def write_cpu_weights(config: ModelConfig, model, writer: WeightFileWriter, opti
         cos, sin = rope_tables(config)
         writer.add(ROPE_COS, cos)
         writer.add(ROPE_SIN, sin)
+        if config.local_layers:  # the local layers' own RoPE base
+            cos, sin = rope_tables(config, local=True)
+            writer.add(ROPE_COS + LOCAL, cos)
+            writer.add(ROPE_SIN + LOCAL, sin)
     return plans
 
 
@@ -74,6 +88,7 @@ def write_linear(writer: WeightFileWriter, name: str,
                  *, head: bool) -> LinearPlan:
     """sources: (its grid or None, its float weight [N_i, K] when read) per fused projection, in output order."""
     parts, ns, k = [], [], None
+    folded: set[int] = set()  # the grids whose minima went into correction rows (no offsets)
     groups = [list(members) for _key, members in groupby(sources, key=lambda s: grid_key(s[0]))]
     for j, members in enumerate(groups):
         weight = name if len(groups) == 1 else f"{name}.{j}"
@@ -85,12 +100,24 @@ def write_linear(writer: WeightFileWriter, name: str,
         else:
             grids = [grid for grid, _read in members]
             ns += [g.shape[0] for g in grids]
-            parts.append(write_grid_part(writer, weight, concat_grids(grids)))
+            grid = concat_grids(grids)
+            if _folds(grid, options, head=head, linear=name):
+                quant = BlockQuantizer(bits=grid.bits, block_size=grid.block, symmetric=False,
+                                       accuracy_level=options.accuracy_level)
+                parts.append(write_folded_grid_part(writer, weight, grid, quant))
+                folded.update(id(g) for g in grids)
+            else:
+                parts.append(write_grid_part(writer, weight, grid))
         k = w.shape[0] if members[0][0] is None else grids[0].shape[1]
-    offsets = grid_offsets([grid for grid, _read in sources], ns=ns, k=k)
+    offsets = grid_offsets([None if id(grid) in folded else grid for grid, _read in sources], ns=ns, k=k)
     if offsets is not None:
         writer.add(f"{name}.offsets", offsets)  # [K/32, N]
     return LinearPlan(k=k, parts=tuple(parts), offsets=None if offsets is None else f"{name}.offsets")
+
+
+def _folds(grid: WeightGrid | FloatWeight, options: CpuOptions, *, head: bool, linear: str) -> bool:
+    return (options.grid_minima is GridMinima.FOLDED and not head and isinstance(grid, WeightGrid)
+            and grid.mins is not None and grid.block == OFFSET_BLOCK and options.corrects(linear, grid.shape[1]))
 
 
 def write_float_part(writer: WeightFileWriter, weight: str, w: np.ndarray, options: CpuOptions, *, head: bool,

@@ -40,8 +40,14 @@ class GraphBuilder:
         return name
 
     def const(self, value, dtype=np.int64) -> str:
+        """An inline constant. Equal float constants share one initializer; int64 ones (Reshape targets, Split
+        sizes) never do: two that are equal at one shape may differ at another (with one KV head, [B, AR, Hkv, D]
+        equals [B, AR, 1, D]), and the graphs of a family must name the same constants at every shape
+        (htp/template.py copies a quantized template's structure onto each shape by name)."""
         array = np.asarray(value, dtype=dtype)
         key = (array.dtype.str, array.shape, array.tobytes())
+        if array.dtype == np.int64:
+            key = (*key, len(self.initializers))  # unique: a new initializer per call
         if key not in self._consts:
             name = self._fresh("const")
             self.initializers[name] = inline_tensor(name, array)

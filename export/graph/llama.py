@@ -37,6 +37,19 @@ def attention_weights(config: ModelConfig, hf: dict[str, np.ndarray], layer: int
     return out
 
 
+def layer_norms(config: ModelConfig, layer: int) -> dict[str, str]:
+    """A layer's RMSNorm weights: graph name -> HF name. With sandwich norms (Gemma 3) the MLP's input norm is
+    pre_feedforward_layernorm and post_attention_layernorm is the attention output's norm; else (Llama)
+    post_attention_layernorm is the MLP's input norm."""
+    p = f"model.layers.{layer}."
+    if not config.sandwich_norms:
+        return {f"l{layer}.attn_norm": p + "input_layernorm.weight",
+                f"l{layer}.mlp_norm": p + "post_attention_layernorm.weight"}
+    return {f"l{layer}.attn_norm": p + "input_layernorm.weight", f"l{layer}.attn_post_norm": p +
+            "post_attention_layernorm.weight", f"l{layer}.mlp_norm": p + "pre_feedforward_layernorm.weight",
+            f"l{layer}.mlp_post_norm": p + "post_feedforward_layernorm.weight"}
+
+
 def write_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: WeightFileWriter) -> None:
     """Lay out HF-named float weights the way the graph consumes them ([in, out], fused)."""
     f32 = np.float32
@@ -47,7 +60,8 @@ def write_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: Weight
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
         a = attention_weights(config, hf, layer)
-        writer.add(f"l{layer}.attn_norm", hf[p + "input_layernorm.weight"].astype(f32))
+        for name, hf_name in layer_norms(config, layer).items():
+            writer.add(name, hf[hf_name].astype(f32))
         writer.add(f"l{layer}.qkv", np.concatenate([a["q"], a["k"], a["v"]]).T.astype(f32))  # [hidden, (H + 2 Hkv) D]
         if config.attention_bias:
             writer.add(f"l{layer}.qkv_bias", np.concatenate([a["q_bias"], a["k_bias"], a["v_bias"]]).astype(f32))
@@ -55,7 +69,6 @@ def write_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: Weight
             writer.add(f"l{layer}.q_norm", a["q_norm"])  # [D]
             writer.add(f"l{layer}.k_norm", a["k_norm"])  # [D]
         writer.add(f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32))  # [H D, hidden]
-        writer.add(f"l{layer}.mlp_norm", hf[p + "post_attention_layernorm.weight"].astype(f32))
         gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
         writer.add(f"l{layer}.gate_up", gate_up.T.astype(f32))  # [hidden, 2 I]
         writer.add(f"l{layer}.down", hf[p + "mlp.down_proj.weight"].T.astype(f32))  # [I, hidden]
@@ -123,9 +136,10 @@ class LlamaGraph:
         """x @ W for an [in, out] weight; the CPU target swaps in MatMulNBits (export/cpu/graph.py)."""
         return self.g.op("MatMul", x, self.g.weight(weight))
 
-    def split_probs(self, probs: str) -> list[str]:
-        """[.., P + AR] -> the past part [.., P] and the new part [.., AR]."""
-        return self.g.op("Split", probs, self.g.const([self.s.past_len, self.s.ar]), axis=-1, num_outputs=2)
+    def split_probs(self, probs: str, layer: int = 0) -> list[str]:
+        """[.., P + AR] -> the past part [.., P] and the new part [.., AR] (a local layer's P: min(P, W-1))."""
+        past_len = self.c.layer_past_len(layer, self.s.past_len)
+        return self.g.op("Split", probs, self.g.const([past_len, self.s.ar]), axis=-1, num_outputs=2)
 
     def sequence_attention(self, layer: int, seq: int | None, q: str, k: str, v: str, bias: str) -> str:
         """One sequence: q [1, H, AR, D], k/v [1, Hkv, AR, D], bias [1, 1, AR, P+AR] -> [1, H, AR, D]."""
@@ -144,7 +158,7 @@ class LlamaGraph:
             s_new = g.op("MatMul", qh, g.op("Transpose", new_k[h], perm=[0, 1, 3, 2]))  # [1, g, AR, AR]
             scores = g.op("Add", g.op("Concat", s_past, s_new, axis=-1), bias)  # [1, g, AR, P + AR]
             probs = g.op("Softmax", scores, axis=-1)
-            p_past, p_new = self.split_probs(probs)
+            p_past, p_new = self.split_probs(probs, layer)
             outs.append(g.op("Add", g.op("MatMul", p_past, past_v), g.op("MatMul", p_new, new_v[h])))
         return outs[0] if hkv == 1 else g.op("Concat", *outs, axis=1)  # [1, H, AR, D]
 
@@ -152,17 +166,46 @@ class LlamaGraph:
         g, i = self.g, self.c.intermediate_size
         gate, up = g.op("Split", self.linear(x, f"l{layer}.gate_up"), g.const([i, i]),
                         axis=-1, num_outputs=2)
-        silu = g.op("Mul", gate, g.op("Sigmoid", gate))
-        return self.linear(g.op("Mul", silu, up), f"l{layer}.down")
+        return self.linear(g.op("Mul", self.activation(gate), up), f"l{layer}.down")
+
+    def activation(self, x: str) -> str:
+        """The MLP gate's activation: SiLU x sigmoid(x), or GELU's tanh approximation (Gemma: gelu_pytorch_tanh)
+        0.5 x (1 + tanh(z)) = x sigmoid(2 z), z = sqrt(2/pi) (x + 0.044715 x^3): the sigmoid form is SiLU's
+        nodes (one Sigmoid, which HTP runs as it runs SiLU's) plus the cubic."""
+        g = self.g
+        if self.c.mlp_activation == "silu":
+            return g.op("Mul", x, g.op("Sigmoid", x))
+        cubic = g.op("Mul", g.op("Mul", x, x), g.const(0.044715, np.float32))  # 0.044715 x^2
+        z2 = g.op("Mul", g.op("Mul", x, g.op("Add", cubic, g.const(1.0, np.float32))),
+                  g.const(float(2.0 * np.sqrt(2.0 / np.pi)), np.float32))  # 2 z
+        return g.op("Mul", x, g.op("Sigmoid", z2))
+
+    def layer_inputs(self, layer: int) -> tuple[str, str, str]:
+        """The RoPE rows and mask a layer reads: a local layer's own, else the global ones."""
+        if self.c.is_local(layer):
+            return Role.ROPE_COS_LOCAL.value, Role.ROPE_SIN_LOCAL.value, Role.ATTENTION_BIAS_LOCAL.value
+        return Role.ROPE_COS.value, Role.ROPE_SIN.value, Role.ATTENTION_BIAS.value
+
+    def post_norm(self, x: str, layer: int, kind: str) -> str:
+        """Sandwich norms (Gemma 3): the attention's or MLP's output normed before its residual add."""
+        return self.rms_norm(x, f"l{layer}.{kind}_post_norm") if self.c.sandwich_norms else x
+
+    def scale_embedding(self, h: str) -> str:
+        """Gemma: the embedded rows times sqrt(hidden) (ModelConfig.embedding_scale)."""
+        if self.c.embedding_scale == 1.0:
+            return h
+        return self.g.op("Mul", h, self.g.const(self.c.embedding_scale, np.float32))
 
     def build(self, name: str):
         g, c, s = self.g, self.c, self.s
         inputs, outputs = graph_io(c, s)
-        h = self.embed("input_ids")  # [B, AR, hidden]
+        h = self.scale_embedding(self.embed("input_ids"))  # [B, AR, hidden]
         for layer in range(c.num_layers):
-            h = g.op("Add", h, self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"),
-                                              "rope_cos", "rope_sin", "attention_bias"))
-            h = g.op("Add", h, self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm")))
+            a = self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"), *self.layer_inputs(layer))
+            h = g.op("Add", h, self.post_norm(a, layer, "attn"))
+            m = self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm"))
+            h = g.op("Add", h, self.post_norm(m, layer, "mlp"),
+                     outputs=[f"l{layer}_out_residual"])[0]  # named: export/parts.py cuts there
         h = g.op("Reshape", self.rms_norm(h, "final_norm"), g.const([s.batch * s.ar, c.hidden_size]))
         logits = self.lm_head(h)  # [B AR, V]
         g.op("Reshape", logits, g.const([s.batch, s.ar, c.vocab_size]), outputs=["logits"])

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
-from staticlm.kv_manager import attention_bias
+from staticlm.kv_manager import LayeredKVCache, attention_bias
 from staticlm.runtime.device import Device
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, TensorSpec, kv_tensor_index
@@ -83,6 +83,8 @@ class _Recorder:
 
     def __init__(self, float_dir: Path, *, max_past_rows: int | None) -> None:
         self.engine = Model.open(float_dir, RunOptions(device=Device.CPU), warm_up=False).engine
+        if isinstance(self.engine.kv, LayeredKVCache):  # local layers keep every row here: steps read all of them
+            self.engine.kv = self.engine.kv.keeping_all()
         self.chunk = max(self.engine.prefill_len, 1)
         self.room = self.engine.max_context - 1
         self.max_rows = max_past_rows or self.engine.max_context
@@ -226,7 +228,12 @@ class StepFeeds:
         self._rope = RopeTable(config)
         num_kv_heads = config.num_kv_heads
         self._kv = [(s.name, kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=s.role == KV_INPUT_ROLES[1],
-                                             num_kv_heads=num_kv_heads)) for s in inputs if s.role in KV_INPUT_ROLES]
+                                             num_kv_heads=num_kv_heads), config.is_local(s.layer))
+                    for s in inputs if s.role in KV_INPUT_ROLES]
+        # local layers (Gemma 3): their RoPE, and their windows of the newest min(P, W-1) rows
+        self._local_rope = RopeTable(config, local=True) if config.local_layers else None
+        self._window = config.local_window
+        self._local_past = config.layer_past_len(config.local_layers[0], shape.past_len) if config.local_layers else 0
 
     def select(self, steps: tuple[TraceStep, ...]) -> tuple[TraceStep, ...]:
         """Every step whose tokens fit the graph: a decode token runs as row 0 of a multi-row graph, so one
@@ -256,9 +263,26 @@ class StepFeeds:
         if kept:
             window[:, s.past_len - kept:] = past  # left padding: valid rows at the right end
         feeds = {"input_ids": ids, "rope_cos": cos, "rope_sin": sin, "attention_bias": bias}
-        for name, t in self._kv:
-            feeds[name] = window[t][None, None]
+        local_window = self._local_feeds(step, k, feeds) if self._local_rope is not None else None
+        for name, t, local in self._kv:
+            feeds[name] = (local_window if local else window)[t][None, None]
         return feeds
+
+    def _local_feeds(self, step: TraceStep, k: int, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """The local layers' RoPE rows and sliding mask into feeds; their windows [T, Pl, D] (the newest rows)."""
+        s, pl = self.shape, self._local_past
+        kept = min(step.position, pl, step.past.shape[1])
+        cos = np.zeros_like(feeds["rope_cos"])
+        sin = np.zeros_like(cos)
+        self._local_rope.fill((step.position + np.minimum(np.arange(s.ar), k - 1))[None], cos_out=cos, sin_out=sin)
+        bias = self._bias(lengths=np.array([kept]), past_len=pl, ar=s.ar, window=self._window)  # [1, 1, AR, Pl+AR]
+        bias[:, :, k:] = bias[:, :, k - 1:k]
+        bias[bias < 0] = self.mask_value
+        feeds.update(rope_cos_local=cos, rope_sin_local=sin, attention_bias_local=bias)
+        window = np.zeros((step.past.shape[0], pl, step.past.shape[2]), np.float32)  # [T, Pl, D]
+        if kept:
+            window[:, pl - kept:] = step.past[:, step.past.shape[1] - kept:]
+        return window
 
     def iterate(self, steps: tuple[TraceStep, ...]) -> Iterator[dict[str, np.ndarray]]:
         for step in self.select(steps):

@@ -27,6 +27,7 @@ from staticlm.export.family import (
     export_family,
     staged_family,
 )
+from staticlm.export.gptq.calibrated import round_on_traces
 from staticlm.export.htp.options import QuantOptions
 from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
@@ -99,7 +100,8 @@ def _projection_weights(config) -> list[str]:
 
 
 def _norm_weights(config) -> list[str]:
-    kinds = ("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if config.qk_norm else ())
+    kinds = (("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if config.qk_norm else ())
+             + (("attn_post_norm", "mlp_post_norm") if config.sandwich_norms else ()))
     return ["final_norm"] + [f"l{layer}.{n}" for layer in range(config.num_layers) for n in kinds]
 
 
@@ -248,6 +250,7 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
     step = on_step or (lambda _name: None)
+    rounding = None
     with staged_family(out_dir) as final, tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.q.",
                                                                       dir=out_dir.parent) as scratch:
         work = Path(scratch)
@@ -265,8 +268,14 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
         else:
             writer = WeightFileWriter(final / WEIGHTS_FILE)
             shared = _SharedInitializers(writer)
-            # w8a16 only: w4a16 agreed with float less well with it (each layer's own output error fell, but 4-bit
-            # layers feed the next ones inputs far from the float ones it is fit to)
+            if quant.block_gptq is not None:  # a float source's 4-bit projections onto GPTQ block grids
+                model, rounding = round_on_traces(model, float_dir, fm, traces.family_steps + traces.replay_steps,
+                                                  mask_value=fq.mask_value, options=quant.block_gptq, step=step)
+                if rounding is not None:
+                    fm = export_family(model, float_dir, options=options)  # the float family on those grids
+                step("float family on the rounded grids")
+            # Per-channel GPTQ is w8a16 only: per channel, w4a16 agreed with float less well with it (each layer's
+            # own output error fell, but 4-bit layers fed the next ones inputs far from the float ones it is fit to)
             grids = ProjectionGrids(config, model.grids, eight_bit=quant.quant is Quant.W8A16)
             rounded = (_gptq_overrides(float_dir, fm, traces.family_steps + traces.replay_steps, fq=fq, config=config,
                                        grids=grids) if quant.quant is Quant.W8A16 else None)
@@ -297,7 +306,8 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=fm.chat_template,
             special_tokens=fm.special_tokens, kv_dtype=fq.kv_dtype, quantization=fq.to_dict(), source=fm.source,
-            extra={"target": "htp", "calib_steps": len(traces.steps), "calib_prompts": len(ids)})
+            extra={"target": "htp", "calib_steps": len(traces.steps), "calib_prompts": len(ids),
+                   **({"weight_rounding": rounding} if rounding else {})})
         manifest.save(final)
         step("manifest")
     return manifest

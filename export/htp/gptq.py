@@ -16,12 +16,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .qdq import tensor_values
+from staticlm.export.gptq import rounding
 
-# Of H's mean diagonal, added to it. The reference uses 0.01; on SmolLM2's recorded inputs 0.1 gave lower output
-# error on held-out rows at every layer tried.
-DAMP = 0.1
-BLOCK = 128  # rows rounded together before their error reaches the rest (same result, fewer updates)
+from .qdq import tensor_values
 
 
 def weight_inputs(model: onnx.ModelProto, weights: list[str]) -> dict[str, str]:
@@ -61,36 +58,13 @@ def channel_scales(w: np.ndarray, qmin: np.ndarray, qmax: np.ndarray) -> np.ndar
 def gptq(w: np.ndarray, h: np.ndarray, *, scales: np.ndarray, qmin: np.ndarray, qmax: np.ndarray) -> np.ndarray:
     """w [in, out] float, h [in, in] -> the rounded weights (integer multiples of scales [out], in [qmin, qmax]).
 
-    Rows are rounded in the order of their input's energy (diag H, largest first: the reference's act-order):
-    the rows whose error costs most are rounded while every other row can still absorb it. On SmolLM2 w8a16
-    it raised top-1 agreement with float over the stored order (same Hessians)."""
+    Rows are rounded in the order of their input's energy (act-order, see export/gptq/rounding.py): on SmolLM2
+    w8a16 it raised top-1 agreement with float over the stored order (same Hessians)."""
     order = np.argsort(-np.diag(h), kind="stable")
-    return _gptq_in_order(w[order], h[np.ix_(order, order)], scales=scales, qmin=qmin, qmax=qmax)[np.argsort(order)]
-
-
-def _gptq_in_order(w: np.ndarray, h: np.ndarray, *, scales: np.ndarray, qmin: np.ndarray,
-                   qmax: np.ndarray) -> np.ndarray:
-    w = w.astype(np.float32)  # a copy: the rows not yet rounded absorb the error
-    h = h.astype(np.float64)  # a copy; inverted in float64, applied in float32
-    dead = np.diag(h) == 0  # inputs that were always zero: any value works, zero is exact
-    h[dead, dead] = 1.0
-    w[dead] = 0.0
-    h[np.diag_indices_from(h)] += DAMP * np.mean(np.diag(h))
-    hinv = np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32)  # upper Cholesky factor of H^-1
-    s = scales.astype(np.float32)
-    q = np.zeros_like(w)
-    for i1 in range(0, w.shape[0], BLOCK):
-        i2 = min(i1 + BLOCK, w.shape[0])
-        block, errors = w[i1:i2].copy(), np.zeros((i2 - i1, w.shape[1]), np.float32)
-        hb = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            q_row = np.clip(np.round(block[i] / s), qmin, qmax)
-            q[i1 + i] = q_row
-            err = (block[i] - q_row * s) / hb[i, i]
-            block[i:] -= np.outer(hb[i, i:], err)
-            errors[i] = err
-        w[i2:] -= hinv[i1:i2, i2:].T @ errors
-    return (q * s).astype(np.float32)
+    s = np.broadcast_to(scales.astype(np.float32), w.shape)  # [in, out]: one scale per column, for every row
+    q = rounding.sweep(w[order], h[np.ix_(order, order)], s=s, z=np.zeros_like(s), lo=int(qmin), hi=int(qmax),
+                       damp=rounding.DAMP)[np.argsort(order)]
+    return (q * scales.astype(np.float32)).astype(np.float32)
 
 
 def round_weights(float_path: Path, weights_path: Path, steps: Iterable[tuple[dict[str, np.ndarray], int]], *,

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from staticlm.export.graph.llama import LlamaGraph, attention_weights
+from staticlm.export.graph.llama import LlamaGraph, attention_weights, layer_norms
 from staticlm.export.htp.grids import (
     ProjectionGrids,
     block_sum_name,
@@ -72,7 +72,8 @@ def write_htp_weights(config: ModelConfig, model, *, writer: WeightFileWriter) -
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."
         a = attention_weights(c, hf, layer)  # the softmax scale folded in, as in the float family
-        writer.add(f"l{layer}.attn_norm", hf[p + "input_layernorm.weight"].astype(f32))
+        for name, hf_name in layer_norms(c, layer).items():  # attn_norm, mlp_norm (and Gemma's post norms)
+            writer.add(name, hf[hf_name].astype(f32))
         # A grid q takes the softmax scale in its scales where that is exact, else as a Mul (grids.q_factor)
         _add_projection(writer, f"l{layer}.q", a["q"].T.astype(f32), grids)
         if f"l{layer}.q" in grids and q_factor(c)[1]:
@@ -90,7 +91,6 @@ def write_htp_weights(config: ModelConfig, model, *, writer: WeightFileWriter) -
                 if c.attention_bias:
                     writer.add(f"l{layer}.{kind}_bias_h{h}", a[f"{kind}_bias"][rows])
         _add_projection(writer, f"l{layer}.o", hf[p + "self_attn.o_proj.weight"].T.astype(f32), grids)
-        writer.add(f"l{layer}.mlp_norm", hf[p + "post_attention_layernorm.weight"].astype(f32))
         gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
         _add_projection(writer, f"l{layer}.gate_up", gate_up.T.astype(f32), grids)
         _add_projection(writer, f"l{layer}.down", hf[p + "mlp.down_proj.weight"].T.astype(f32), grids)
@@ -130,11 +130,13 @@ class HTPLlamaGraph(LlamaGraph):
         self._block_sums: dict[str, str] = {}  # input -> its block sums
         inputs, outputs = graph_io(c, s)
         head = g.weight("lm_head_t")  # [hidden, V]
-        h = g.op("Gather", g.weight("embed"), "input_ids", axis=0)
+        h = self.scale_embedding(g.op("Gather", g.weight("embed"), "input_ids", axis=0))
         for layer in range(c.num_layers):
-            h = g.op("Add", h, self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"),
-                                              "rope_cos", "rope_sin", "attention_bias"))
-            h = g.op("Add", h, self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm")))
+            a = self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"), *self.layer_inputs(layer))
+            h = g.op("Add", h, self.post_norm(a, layer, "attn"))
+            m = self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm"))
+            h = g.op("Add", h, self.post_norm(m, layer, "mlp"),
+                     outputs=[f"l{layer}_out_residual"])[0]  # named: export/parts.py cuts there
         g.op("MatMul", self.rms_norm(h, "final_norm"), head, outputs=["logits"])  # [B, AR, V]
         model = g.model(name=name, inputs=inputs, outputs=outputs,
                         doc=f"staticlm {name} (HTP style): AR={s.ar}, P={s.past_len}, S={s.context}")
@@ -170,7 +172,7 @@ class HTPLlamaGraph(LlamaGraph):
 
     def attention(self, layer: int, x: str, cos: str, sin: str, bias: str) -> str:
         g, c, s = self.g, self.c, self.s
-        ar, p, grp, d = s.ar, s.past_len, c.group_size, c.head_dim
+        ar, p, grp, d = s.ar, c.layer_past_len(layer, s.past_len), c.group_size, c.head_dim
         x4 = g.op("Reshape", x, g.const([1, 1, ar, c.hidden_size]))  # [1, 1, AR, hidden]
         q = self.linear(x, f"l{layer}.q")  # [1, AR, H D]
         if c.attention_bias:

@@ -57,6 +57,8 @@ class HTPGrid:
 def _part(grid: WeightGrid, factor: float) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """One HF projection's grid [N, K] -> levels [N, K] int8, scales [N, K/block], offsets [N, K/32] or None;
     factor is a power of two, so scaling s and c by it is exact."""
+    if grid.zeros is not None:  # HTP takes blockwise weights at zero offset only (blocks.py)
+        raise ValueError(f"a {grid.qtype} grid with per-block zero points has no HTP form")
     levels = grid.levels.astype(np.int16) - grid.mid
     zero = grid.scales == 0
     levels[np.repeat(zero, grid.block, axis=1)] = 0

@@ -40,9 +40,9 @@ def boundary_params(specs: tuple[TensorSpec, ...], fq: FamilyQuant, *, num_kv_he
             is_value = s.role in (Role.PAST_VALUE, Role.NEW_VALUE)
             out[s.name] = fq.kv[kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=is_value,
                                                 num_kv_heads=num_kv_heads)]
-        elif s.role in (Role.ROPE_COS, Role.ROPE_SIN) and fq.rope is not None:
+        elif s.role in (Role.ROPE_COS, Role.ROPE_SIN, Role.ROPE_COS_LOCAL, Role.ROPE_SIN_LOCAL) and fq.rope is not None:
             out[s.name] = fq.rope
-        elif s.role is Role.ATTENTION_BIAS and fq.mask is not None:
+        elif s.role in (Role.ATTENTION_BIAS, Role.ATTENTION_BIAS_LOCAL) and fq.mask is not None:
             out[s.name] = fq.mask
         elif s.role is Role.LOGITS and fq.logits is not None:
             out[s.name] = fq.logits

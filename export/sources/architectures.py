@@ -30,6 +30,10 @@ class Architecture:
     fused: bool = False  # the source carries qkv_proj and gate_up_proj (Phi-3): split at load
     gguf_qk_permuted: bool = False  # llama.cpp's converter permuted q/k rows for its RoPE kernel (llama only)
     gguf_layer_names: dict[str, str] = field(default_factory=dict)  # extra or replaced suffixes
+    # Gemma: RMSNorm weights are stored as w and applied as (1 + w); loaded as 1 + w (llama.cpp's GGUF stores 1 + w)
+    norm_offset: float = 0.0
+    gemma: bool = False  # Gemma 3's features, read by export/sources/gemma.py into ModelConfig's fields
+    tied_by_default: bool = False  # config.json without tie_word_embeddings ties the head (transformers' default)
 
     def gguf_hf_name(self, name: str) -> str | None:
         """A GGUF tensor name -> the HF name the source carries (fused for Phi-3); None for extras."""
@@ -52,12 +56,20 @@ ARCHITECTURES = (
                  gguf_layer_names={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
     Architecture("phi3", ("phi3",), "phi3", fused=True,
                  gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+    # Gemma 3's text model: local sliding-window layers among global ones (export/sources/gemma.py reads them)
+    Architecture("gemma3", ("gemma3_text",), "gemma3", qk_norm=True, norm_offset=1.0, gemma=True,
+                 tied_by_default=True,
+                 gguf_layer_names={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                                   "post_attention_norm": "post_attention_layernorm",
+                                   "ffn_norm": "pre_feedforward_layernorm",
+                                   "post_ffw_norm": "post_feedforward_layernorm"}),
 )
 BY_HF_TYPE = {t: a for a in ARCHITECTURES for t in a.hf_model_types}
 BY_GGUF_NAME = {a.gguf_name: a for a in ARCHITECTURES}
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 # Names users meet, refused with the reason (the rest: "not supported").
-KNOWN_UNSUPPORTED = {"gemma2": "Gemma 2's attention/logit soft-capping", "gemma3": "Gemma 3 (not yet)",
+KNOWN_UNSUPPORTED = {"gemma2": "Gemma 2's attention/logit soft-capping",
+                     "gemma3": "a vision tower: Gemma 3's multimodal checkpoint; its text model (gemma3_text) exports",
                      "clip": "a vision tower (mmproj)", "mamba": "a state-space model (Mamba)"}
 
 
@@ -89,7 +101,19 @@ def source_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                         p + "self_attn.v_proj.bias": (kv,)})
         if c.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if c.sandwich_norms:
+            out.update({p + "pre_feedforward_layernorm.weight": (hidden,),
+                        p + "post_feedforward_layernorm.weight": (hidden,)})
     return out
+
+
+def add_norm_offset(config: ModelConfig, weights: dict) -> None:
+    """(1 + w) norms (Gemma) stored as w: every norm weight plus the architecture's offset, in place, in float32
+    as transformers computes it (the GGUF converter stores the same sum)."""
+    offset = BY_NAME[config.architecture].norm_offset
+    if offset:
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = (weights[name].astype(np.float32) + np.float32(offset)).astype(np.float32)
 
 
 def unfuse(config: ModelConfig, tensors: dict) -> None:

@@ -18,6 +18,7 @@ from staticlm.runtime.family.config import ModelConfig, UnsupportedModel
 
 from .architectures import BY_GGUF_NAME, BY_NAME, KNOWN_UNSUPPORTED, Architecture, source_shapes, supported_names
 from .architectures import unfuse as unfuse_tensors
+from .gemma import gguf_features, linear_inv_freq, refuse_softcapping
 from .gguf_file import GGUFFile, LazyTensors, peek_architecture
 from .gguf_grids import FLOAT_TYPES, GRID_TYPES, FloatWeight, WeightGrid
 from .gguf_tokenizer import build_tokenizer
@@ -101,9 +102,7 @@ def _config(meta: dict[str, Any], gf: GGUFFile, *, arch: Architecture) -> ModelC
             raise ModelSourceError(f"{gf.path.name}: GGUF metadata lacks {full}")
         return meta[full]
 
-    for option in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if f"{key}.{option}" in meta:
-            raise UnsupportedModel(f"{option.replace('_', ' ')} is not supported")
+    refuse_softcapping(lambda option: meta.get(f"{key}.{option}"))
     if "token_embd.weight" not in gf.tensors:
         raise ModelSourceError(f"{gf.path.name}: GGUF has no token_embd.weight tensor")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
@@ -114,9 +113,12 @@ def _config(meta: dict[str, Any], gf: GGUFFile, *, arch: Architecture) -> ModelC
     max_positions = int(need("context_length"))
     window = int(meta.get(f"{key}.attention.sliding_window") or 0)
     theta = _f32(meta.get(f"{key}.rope.freq_base", 10000.0))
+    num_layers = int(need("block_count"))
+    features = (gguf_features(meta, key=key, hidden=hidden, heads=heads, head_dim=head_dim, num_layers=num_layers)
+                if arch.gemma else {})  # Gemma 3 (gemma.py)
     return ModelConfig(
         architecture=arch.name,
-        num_layers=int(need("block_count")),
+        num_layers=num_layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{key}.attention.head_count_kv", heads)),
@@ -131,7 +133,8 @@ def _config(meta: dict[str, Any], gf: GGUFFile, *, arch: Architecture) -> ModelC
         attention_bias=arch.always_bias or "blk.0.attn_q.bias" in gf.tensors,
         qk_norm=arch.qk_norm,
         rotary_dim=rope_dims if rope_dims < head_dim else 0,
-        sliding_window=window if 0 < window < max_positions else 0,
+        sliding_window=window if 0 < window < max_positions and not features else 0,
+        **features,
         **_rope(meta, gf, key=key, theta=theta, dims=rope_dims, max_positions=max_positions),
     )
 
@@ -140,9 +143,14 @@ def _rope(meta: dict[str, Any], gf: GGUFFile, *, key: str, theta: float, dims: i
     """The scaled-RoPE fields: llama3 arrives as `rope_freqs` (per-pair divisors), longrope as the short/long
     factor tensors; llama.cpp's linear/yarn scaling types are refused."""
     scaling = meta.get(f"{key}.rope.scaling.type")
-    if scaling not in (None, "none", "longrope", "llama3"):
+    if scaling not in (None, "none", "longrope", "llama3", "linear"):
         raise UnsupportedModel(f"RoPE scaling {scaling!r} is not supported")
     name = gf.path.name
+    if scaling == "linear":  # Gemma 3 4B+: the global layers' frequencies divided by the factor
+        factor = meta.get(f"{key}.rope.scaling.factor")
+        if factor is None:
+            raise UnsupportedModel("RoPE scaling 'linear' without its factor is not supported")
+        return {"rope_inv_freq": linear_inv_freq(theta, dims, _f32(factor))}
     if "rope_freqs.weight" in gf.tensors:
         return {"rope_inv_freq": _floats(divided_inv_freq(theta, dims, gf.tensor("rope_freqs.weight"), name=name))}
     if "rope_factors_long.weight" in gf.tensors and "rope_factors_short.weight" in gf.tensors:

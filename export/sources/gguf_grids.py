@@ -33,6 +33,9 @@ class WeightGrid:
     scales: np.ndarray  # [N, K / block] float32: s
     mins: np.ndarray | None  # [N, K / block] float32, or None for a symmetric type
     mid: int  # the level that stands for 0 in a symmetric type (8, 16, 32 or 128)
+    # [N, K / block] uint8: each block's own zero level, w = s (q - zeros) (a float source rounded by export/gptq
+    # onto an asymmetric grid; no GGUF type has these); None: mid for every block
+    zeros: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -46,12 +49,16 @@ class WeightGrid:
     def dequantize(self) -> np.ndarray:
         """[N, K] float32, in gguf's arithmetic (one rounding per weight)."""
         s = np.repeat(self.scales, self.block, axis=1)
+        if self.zeros is not None:
+            return s * (self.levels.astype(np.float32) - np.repeat(self.zeros, self.block, axis=1).astype(np.float32))
         if self.mins is None:
             return s * (self.levels.astype(np.float32) - np.float32(self.mid))
         return s * self.levels.astype(np.float32) + np.repeat(self.mins, self.block, axis=1)
 
     def zero_points(self) -> np.ndarray:
         """[N, K / block] uint8: mid, or 0 where mins + mid s would not be exact in float32."""
+        if self.zeros is not None:
+            return self.zeros
         z = np.full(self.scales.shape, self.mid, np.uint8)
         if self.mins is not None:
             exact = _offsets(self.mins, self.scales, self.mid).astype(np.float64) == \
@@ -69,7 +76,8 @@ class WeightGrid:
         """The grid of some output rows (a slice or an index array): a head, or llama.cpp's q/k row order undone."""
         return replace(self, levels=np.ascontiguousarray(self.levels[index]),
                        scales=np.ascontiguousarray(self.scales[index]),
-                       mins=None if self.mins is None else np.ascontiguousarray(self.mins[index]))
+                       mins=None if self.mins is None else np.ascontiguousarray(self.mins[index]),
+                       zeros=None if self.zeros is None else np.ascontiguousarray(self.zeros[index]))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import numpy as np
 
 from staticlm.runtime.family.config import ModelConfig, UnsupportedModel
 
-from .architectures import BY_HF_TYPE, KNOWN_UNSUPPORTED, source_shapes, unfuse
+from .architectures import BY_HF_TYPE, KNOWN_UNSUPPORTED, add_norm_offset, source_shapes, unfuse
+from .gemma import hf_features, hf_global_rope, linear_inv_freq
 from .model import LoadedModel, ModelSourceError, UnsupportedSource
 from .rope_scaling import divided_inv_freq, llama3_inv_freq, longrope_attention_factor
 
@@ -69,11 +70,12 @@ def _config(cfg: dict[str, Any], *, name: str) -> ModelConfig:
         raise UnsupportedSource(f"{name}: a vision or audio tower is not supported")
     max_positions = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", model_type in ("mistral", "phi3"))
+    # a Mistral-style window over every layer (Gemma 3's local layers are its own fields: gemma.py)
+    uses_window = cfg.get("use_sliding_window", model_type in ("mistral", "phi3")) and not arch.gemma
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        rope = hf_global_rope(cfg)
         theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
         rope_dims = int(head_dim * partial)
@@ -89,11 +91,12 @@ def _config(cfg: dict[str, Any], *, name: str) -> ModelConfig:
             rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_positions=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.tied_by_default)),
             attention_bias=arch.always_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=arch.qk_norm,
             rotary_dim=rope_dims if rope_dims < head_dim else 0,
             sliding_window=int(window) if uses_window and window is not None and int(window) < max_positions else 0,
+            **hf_features(cfg, arch, hidden=hidden, head_dim=head_dim),
             **_rope(cfg, rope, theta=theta, dims=rope_dims, max_positions=max_positions, name=name),
         )
     except KeyError as exc:
@@ -110,6 +113,8 @@ def _rope(cfg: dict[str, Any], rope: dict[str, Any], *, theta: float, dims: int,
                    or max_positions)
     if rope_type == "default":
         return {}
+    if rope_type == "linear":
+        return {"rope_inv_freq": linear_inv_freq(theta, dims, float(rope["factor"]))}
     if rope_type == "llama3":
         inv_freq = llama3_inv_freq(theta, dims, factor=float(rope["factor"]),
                                    low_freq_factor=float(rope["low_freq_factor"]),
@@ -147,6 +152,7 @@ def _weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
             raise ModelSourceError(f"{path.name}: weight {n} has shape {list(weights[n].shape)}, "
                                    f"expected {list(shape)}")
     unfuse(config, weights)
+    add_norm_offset(config, weights)
     return weights
 
 

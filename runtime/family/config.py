@@ -18,7 +18,7 @@ class ModelConfig:
     """Llama-family hyper-parameters (RMSNorm, RoPE, GQA, SwiGLU) and the per-architecture features the one graph
     builder reads. The architecture's name is a label: builders read the feature fields, never the name."""
 
-    architecture: str  # "llama", "qwen2", "qwen3" or "phi3" (export/sources/architectures.py)
+    architecture: str  # "llama", "qwen2", "qwen3", "phi3" or "gemma3" (export/sources/architectures.py)
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -42,6 +42,17 @@ class ModelConfig:
     # A sliding window (Mistral, Phi-3-mini-4k): exported only for families whose contexts fit it, where every
     # token sees every cached one, as in full attention (for_context); 0: none.
     sliding_window: int = 0
+    # Gemma 3 (all defaults: off)
+    mlp_activation: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh approximation)
+    embedding_scale: float = 1.0  # the embedded rows times this (Gemma: sqrt(hidden), in the embedding's dtype)
+    sandwich_norms: bool = False  # an RMSNorm on the attention's and the MLP's outputs, before each residual add
+    query_pre_attn_scalar: float = 0.0  # the softmax scale is 1/sqrt(this); 0: 1/sqrt(head_dim)
+    # Local layers: each token sees the last local_window tokens (itself included), RoPE base local_rope_theta
+    # (default RoPE, no scaling); the other layers attend over the whole context. The kv_manager keeps a local
+    # layer's newest rows only (kv_manager/layered.py).
+    local_window: int = 0
+    local_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -55,6 +66,15 @@ class ModelConfig:
         for freqs in (self.rope_inv_freq, self.rope_long_inv_freq):
             if freqs and len(freqs) != self.rope_dims // 2:
                 raise UnsupportedModel(f"{len(freqs)} RoPE frequencies for {self.rope_dims} rotary dims")
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise UnsupportedModel(f"MLP activation {self.mlp_activation!r} is not supported")
+        if bool(self.local_layers) != bool(self.local_window) or any(
+                not 0 <= i < self.num_layers for i in self.local_layers) or self.local_window < 0:
+            raise UnsupportedModel(f"local layers {list(self.local_layers)} with window {self.local_window} do not "
+                                   f"fit {self.num_layers} layers")
+        if self.local_layers and len(set(self.local_layers)) == self.num_layers:  # the cache counts tokens there
+            raise UnsupportedModel(f"all {self.num_layers} layers are local (sliding-window) layers: a model needs a "
+                                   "global one (a Gemma 3 draft: keep a layer past the first local run)")
 
     @property
     def group_size(self) -> int:
@@ -69,7 +89,20 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """The softmax scale of q.k: every graph style reads it here, and only here."""
-        return 1.0 / math.sqrt(self.head_dim)
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def is_local(self, layer: int) -> bool:
+        return layer in self.local_layers
+
+    def layer_past_len(self, layer: int, past_len: int) -> int:
+        """Rows of a layer's past window in a graph of past length P: a local layer's past holds at most W-1
+        rows (with the new token, W), a global layer's all P."""
+        return min(past_len, self.local_window - 1) if self.is_local(layer) else past_len
+
+    def local_inv_freq(self) -> np.ndarray:
+        """[rope_dims/2] float64: the local layers' inverse frequencies (default RoPE over local_rope_theta)."""
+        theta = self.local_rope_theta or self.rope_theta
+        return 1.0 / (theta ** (np.arange(0, self.rope_dims, 2, dtype=np.float64) / self.rope_dims))
 
     def inv_freq(self) -> np.ndarray:
         """[rope_dims/2] float64 inverse frequencies: RoPE angle of pair i at position p is p * inv_freq[i]."""

@@ -23,6 +23,10 @@ class Role(str, Enum):
     ROPE_COS = "rope_cos"
     ROPE_SIN = "rope_sin"
     ATTENTION_BIAS = "attention_bias"
+    # models with local (sliding-window) layers only: their RoPE rows and their mask over min(P, W-1) past rows
+    ROPE_COS_LOCAL = "rope_cos_local"
+    ROPE_SIN_LOCAL = "rope_sin_local"
+    ATTENTION_BIAS_LOCAL = "attention_bias_local"
     PAST_KEY = "past_key"
     PAST_VALUE = "past_value"
     LOGITS = "logits"
@@ -33,8 +37,17 @@ class Role(str, Enum):
     SEQLENS_K = "seqlens_k"  # [B] int32: rows cached after this step, minus one (ORT's convention)
     TOTAL_LENGTH = "total_sequence_length"  # scalar int32: an upper bound of those rows
     QUERY_LENGTHS = "query_seqlens"  # [B] int32: real rows of this step's AR (the rest is right padding)
+    SEQLENS_K_LOCAL = "seqlens_k_local"  # the same two for the local layers' buffers (their newest rows only)
+    TOTAL_LENGTH_LOCAL = "total_sequence_length_local"
     PRESENT_KEY = "present_key"
     PRESENT_VALUE = "present_value"
+    # segmented batched graphs only (runtime/family/segments.py): the prompt's K/V, one per KV head, shared by
+    # every sequence of the batch
+    PROMPT_KEY = "prompt_key"
+    PROMPT_VALUE = "prompt_value"
+    # layer-group parts only (export/parts.py): the residual stream [B, AR, hidden] between two parts (the cpu
+    # target's parts also pass the next layer's normed input)
+    HIDDEN = "hidden"
 
 
 KV_INPUT_ROLES = (Role.PAST_KEY, Role.PAST_VALUE)
@@ -90,6 +103,11 @@ def num_kv_tensors(config: ModelConfig) -> int:
     return 2 * config.num_layers * config.num_kv_heads
 
 
+def local_tensors(config: ModelConfig) -> tuple[bool, ...]:
+    """[T] in kv_tensor_index order: whether each KV tensor is a local layer's (all False without local layers)."""
+    return tuple(config.is_local(layer) for layer in range(config.num_layers) for _ in range(2 * config.num_kv_heads))
+
+
 @dataclass(frozen=True)
 class IODtypes:
     """Element types of the boundary tensors: float32 for the float family, integers for quantized ones."""
@@ -113,15 +131,22 @@ def graph_io(config: ModelConfig, shape: GraphShape, *, kv_dtype: str = "float32
         TensorSpec("rope_sin", Role.ROPE_SIN, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
         TensorSpec("attention_bias", Role.ATTENTION_BIAS, dt.mask, (b, 1, ar, p + ar)),  # [B, 1, AR, P+AR]
     ]
+    if config.local_layers:  # the local layers' own RoPE base and window
+        pl = config.layer_past_len(config.local_layers[0], p)
+        inputs += [TensorSpec("rope_cos_local", Role.ROPE_COS_LOCAL, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
+                   TensorSpec("rope_sin_local", Role.ROPE_SIN_LOCAL, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
+                   TensorSpec("attention_bias_local", Role.ATTENTION_BIAS_LOCAL, dt.mask,
+                              (b, 1, ar, pl + ar))]  # [B, 1, AR, Pl+AR], Pl = min(P, W-1)
     outputs = [TensorSpec("logits", Role.LOGITS, dt.logits, (b, ar, config.vocab_size))]  # [B, AR, V]
     # Batched graphs take one KV tensor per sequence: each sequence's window sits at its own `end` in the
     # kv_manager's buffer, so B windows are never one contiguous [B, 1, P, D] block.
     seqs = [None] if b == 1 else list(range(b))
     for layer in range(config.num_layers):
+        lp = config.layer_past_len(layer, p)  # P, or a local layer's min(P, W-1)
         for h in range(config.num_kv_heads):
             for past, new in ((Role.PAST_KEY, Role.NEW_KEY), (Role.PAST_VALUE, Role.NEW_VALUE)):
                 for seq in seqs:
-                    inputs.append(TensorSpec(kv_name(past, layer, h, seq), past, kv_dtype, (1, 1, p, d),
+                    inputs.append(TensorSpec(kv_name(past, layer, h, seq), past, kv_dtype, (1, 1, lp, d),
                                              layer, h, seq))  # [1, 1, P, D]
                     outputs.append(TensorSpec(kv_name(new, layer, h, seq), new, kv_dtype, (1, 1, ar, d),
                                               layer, h, seq))  # [1, 1, AR, D]
@@ -149,6 +174,9 @@ def in_place_graph_io(config: ModelConfig, shape: GraphShape, *, last_logits_onl
         TensorSpec("total_sequence_length", Role.TOTAL_LENGTH, "int32", ()),
         TensorSpec("query_seqlens", Role.QUERY_LENGTHS, "int32", (b,)),
     ]
+    if config.local_layers:  # the local layers' buffers hold their own rows
+        inputs += [TensorSpec("seqlens_k_local", Role.SEQLENS_K_LOCAL, "int32", (b,)),
+                   TensorSpec("total_sequence_length_local", Role.TOTAL_LENGTH_LOCAL, "int32", ())]
     logit_rows = 1 if last_logits_only else ar
     outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, logit_rows, config.vocab_size))]  # [B, AR|1, V]
     for layer in range(config.num_layers):

@@ -29,6 +29,9 @@ class GraphKind(str, Enum):
     PREFILL = "prefill"  # AR = N, P = S - N; also the verifier for speculative decoding
     # AR = 1, only for the first token of a sequence (quantized families): see export/htp/calibration.py, "sink"
     SINK = "sink"
+    # batched, AR = 1 (decode) or AR = N (verify): the prompt segment shared by every sequence plus per-sequence
+    # response windows (runtime/family/segments.py)
+    SEGMENT = "segment"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,157 @@
+"""Segmented batched graphs for `--target cpu` (GraphKind.SEGMENT; runtime/family/segments.py has the contract).
+
+Attention over two past segments and the new rows, one softmax:
+
+- the prompt segment [P_prompt, D] per KV head, shared: a 2-D right operand, so ORT's MatMul folds the B
+  sequences' query rows of that head into one product's rows, and each prompt head is read once per step for the
+  whole batch (the seed's SDPA kernel reads the prompt once for all BW responses);
+- the response buffer [B, Hkv, P, D] per (layer, K|V), every sequence and head in one product;
+- the new rows, all heads and sequences at once.
+
+Their scores are concatenated along the key axis (floats, never KV rows), the bias [B, 1, g AR, P + AR] is added
+to the response and new-row part, one Softmax, and the probabilities are split back by segment.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, Role, buffer_name, kv_name
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind, file_sha256
+from staticlm.runtime.family.segments import PROMPT_ROLES, segment_graph_io
+
+from .attention import MS_DOMAIN, RopeTables, _skip_norm, from_heads, grouped_bias, mlp, qkv_heads
+from .graph import BIAS_DIM, PAST_DIM, CpuLlamaGraph
+
+PROMPT_DIM = "prompt_len"
+
+
+def _split(graph: CpuLlamaGraph, x: str, n: int, axis: int, **kw) -> list[str]:
+    if n == 1 and "outputs" not in kw:
+        return [x]
+    if "outputs" in kw:
+        graph.g.op("Split", x, graph.g.const([1] * n), axis=axis, **kw)
+        return kw["outputs"]
+    return graph.g.op("Split", x, graph.g.const([1] * n), axis=axis, num_outputs=n)
+
+
+def _cat(graph: CpuLlamaGraph, parts: list[str], axis: int) -> str:
+    return parts[0] if len(parts) == 1 else graph.g.op("Concat", *parts, axis=axis)
+
+
+class SegmentCpuGraph(CpuLlamaGraph):
+    """CpuLlamaGraph with the segmented attention body; the weights, linears, embedding and head are the family's."""
+
+    _segment_sizes: str | None = None
+
+    def _sizes(self) -> str:
+        """[3]: P_prompt, P, AR (both past lengths symbolic: read once per graph from the inputs' shapes)."""
+        if self._segment_sizes is None:
+            g = self.g
+
+            def rows(name: str, axis: int) -> str:
+                return g.op("Slice", g.op("Shape", name), g.const([axis]), g.const([axis + 1]))
+
+            self._segment_sizes = g.op("Concat", rows(kv_name(Role.PROMPT_KEY, 0, 0), 0),
+                                       rows(buffer_name(Role.PAST_KEY, 0), 2), g.const([self.s.ar]), axis=0)
+        return self._segment_sizes
+
+    def attention(self, layer: int, x: str, *, rope: RopeTables, bias: str) -> str:
+        g, c, s = self.g, self.c, self.s
+        b, hkv, d = s.batch, c.num_kv_heads, c.head_dim
+        q, k, v = qkv_heads(self, layer, x, rope=rope)  # [B, Hkv, g AR, D], [B, Hkv, AR, D] x 2
+        for t, role in ((k, Role.NEW_KEY), (v, Role.NEW_VALUE)):  # the new rows, one [1, 1, AR, D] per slot
+            rows = g.op("Reshape", t, g.const([b * hkv, 1, s.ar, d]))  # [B Hkv, 1, AR, D], same bytes
+            _split(self, rows, b * hkv, axis=0,
+                   outputs=[kv_name(role, layer, h, seq) for seq in range(b) for h in range(hkv)])
+        q_heads = _split(self, q, hkv, axis=1)  # each [B, 1, g AR, D]
+        alpha = c.attention_scale
+        s_prompt = _cat(self, [g.op("FusedMatMul", q_heads[h], kv_name(Role.PROMPT_KEY, layer, h), domain=MS_DOMAIN,
+                                    transB=1, alpha=alpha) for h in range(hkv)], axis=1)  # [B, Hkv, g AR, Pp]
+        # the response buffer, every sequence and head in one product, read in place (transB: no Transpose)
+        s_resp = g.op("FusedMatMul", q, buffer_name(Role.PAST_KEY, layer), domain=MS_DOMAIN, transB=1,
+                      alpha=alpha)  # [B, Hkv, g AR, P]
+        s_new = g.op("FusedMatMul", q, k, domain=MS_DOMAIN, transB=1, alpha=alpha)  # [B, Hkv, g AR, AR]
+        masked = g.op("Add", g.op("Concat", s_resp, s_new, axis=-1), bias)  # [B, Hkv, g AR, P + AR]
+        probs = g.op("Softmax", g.op("Concat", s_prompt, masked, axis=-1), axis=-1)  # [B, Hkv, g AR, Pp + P + AR]
+        p_prompt, p_resp, p_new = g.op("Split", probs, self._sizes(), axis=-1, num_outputs=3)
+        pp_heads = _split(self, p_prompt, hkv, axis=1)
+        o_prompt = _cat(self, [g.op("MatMul", pp_heads[h], kv_name(Role.PROMPT_VALUE, layer, h))
+                               for h in range(hkv)], axis=1)  # [B, Hkv, g AR, D]
+        o_resp = g.op("MatMul", p_resp, buffer_name(Role.PAST_VALUE, layer))  # [B, Hkv, g AR, D]
+        o = g.op("Add", g.op("Add", o_prompt, o_resp), g.op("MatMul", p_new, v))
+        return self.linear(from_heads(self, o), f"l{layer}.o")
+
+    def decoder(self, h: str) -> str:
+        g, c = self.g, self.c
+        rope, bias = RopeTables(self), grouped_bias(self)
+        x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=float(c.rms_norm_eps))
+        for layer in range(c.num_layers):
+            x, h = _skip_norm(self, self.attention(layer, x, rope=rope, bias=bias), h, f"l{layer}.mlp_norm",
+                              tag=f"l{layer}_mlp")
+            nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
+            x, h = _skip_norm(self, mlp(self, layer, x), h, nxt, tag=f"l{layer}_out")
+        return x
+
+    def build(self, name: str) -> onnx.ModelProto:
+        g, c, s = self.g, self.c, self.s
+        inputs, outputs = segment_graph_io(c, s)
+        h = self.decoder(self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
+        h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))
+        g.op("Reshape", self.lm_head(h), g.const([s.batch, s.ar, c.vocab_size]), outputs=[Role.LOGITS.value])
+        model = g.model(name=name, inputs=inputs, outputs=outputs,
+                        doc=f"staticlm {name} (cpu, segment KV): B={s.batch}, AR={s.ar}")
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        _make_segments_symbolic(model)
+        return model
+
+
+def _make_segments_symbolic(model: onnx.ModelProto) -> None:
+    """Prompt inputs [prompt_len, D], response buffers [B, Hkv, past_len, D], bias [.., past_len_plus_ar]."""
+    prompt = tuple(f"{r.value}_" for r in PROMPT_ROLES)
+    past = tuple(f"{r.value}_" for r in KV_INPUT_ROLES)
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name.startswith(prompt):
+            dims[0].dim_param = PROMPT_DIM
+        elif value.name.startswith(past):
+            dims[2].dim_param = PAST_DIM
+        elif value.name == Role.ATTENTION_BIAS.value:
+            dims[3].dim_param = BIAS_DIM
+
+
+def segments_supported(config) -> bool:
+    """Sliding-window layers keep masks of their own, which the segments do not model."""
+    return not (config.sliding_window or getattr(config, "local_layers", ()))
+
+
+def segment_shapes(shapes: list[tuple[str, GraphKind, GraphShape]]) -> list[tuple[str, GraphShape]]:
+    """One segmented graph per batched (batch, AR) of the family, at its largest window."""
+    largest: dict[tuple[int, int], GraphShape] = {}
+    for _name, _kind, shape in shapes:
+        key = (shape.batch, shape.ar)
+        if shape.batch > 1 and (key not in largest or shape.past_len > largest[key].past_len):
+            largest[key] = shape
+    return [(f"segment_ar{ar}_b{b}", largest[(b, ar)]) for b, ar in sorted(largest)]
+
+
+def export_segment_graphs(config, shapes: list[tuple[str, GraphKind, GraphShape]], *, work: Path, writer, cpu,
+                          plans, on_step: Callable[[str], None] = lambda _name: None) -> list[GraphEntry]:
+    """Build and save the segmented graphs; their manifest entries (empty when the family has no batched graphs
+    or sliding-window layers, whose masks the segments do not model)."""
+    if not segments_supported(config):
+        return []
+    entries = []
+    for name, shape in segment_shapes(shapes):
+        file = f"{name}.onnx"
+        proto = SegmentCpuGraph(config, shape, weights=writer, options=cpu, plans=plans).build(name)
+        onnx.save_model(proto, work / file)
+        inputs, outputs = segment_graph_io(config, shape)
+        entries.append(GraphEntry(name=name, file=file, kind=GraphKind.SEGMENT, shape=shape, inputs=inputs,
+                                  outputs=outputs, sha256=file_sha256(work / file)))
+        on_step(file)
+    return entries
+

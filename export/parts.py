@@ -1,0 +1,146 @@
+"""Layer-group graphs ("parts"): each family graph cut into N graphs over layers [a, b), written beside it.
+
+A part takes the residual stream in and gives it out ([B, AR, hidden], Role.HIDDEN); the first part also embeds,
+the last also has the final norm and the head. Parts are cut out of the family's own graphs (whatever the target:
+float, cpu or the quantized htp graphs) at the tensors every builder names `l{L}_out_residual` (and, in the cpu
+target's graphs, `l{L}_out_normed`, the next layer's normed input), so a part computes exactly what its layers
+computed in the whole graph, reads the same weights (the one weights.bin, referenced, never copied) and binds the
+same KV tensors of its layers. Two uses:
+- KV-Runahead (runtime/runahead.py): workers sync per layer group on the KV rows earlier workers wrote;
+- a model larger than one HTP context (about 2 GB of weights per QNN context): each part is its own context.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from staticlm.errors import UserError
+from staticlm.runtime.family.contract import Role, TensorSpec
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256, load_manifest
+from staticlm.runtime.parts import PARTS_KEY
+
+BOUNDARY_SUFFIXES = ("_out_normed", "_out_residual")  # in the order a part binds them
+# what a chain runs: generation, prompt chunks and verification (not the batched segment graphs)
+PART_KINDS = (GraphKind.DECODE, GraphKind.PREFILL, GraphKind.SINK)
+
+
+def layer_groups(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
+    """[a, b) of each part: as even as the layers allow, the first parts one layer longer."""
+    if not 1 <= num_parts <= num_layers:
+        raise UserError(f"--parts must be in 1..{num_layers} (the model's layers), got {num_parts}")
+    base, extra = divmod(num_layers, num_parts)
+    out, a = [], 0
+    for k in range(num_parts):
+        b = a + base + (k < extra)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _boundary(graph: onnx.GraphProto, layer: int, produced: set[str]) -> list[str]:
+    names = [f"l{layer}{suffix}" for suffix in BOUNDARY_SUFFIXES]
+    found = [n for n in names if n in produced]
+    if not found:
+        raise ValueError(f"graph {graph.name} names no residual after layer {layer} (l{layer}_out_residual)")
+    return found
+
+
+def _walk(graph: onnx.GraphProto, outputs: list[str], *, stop: set[str], producers: dict[str, int]
+          ) -> tuple[set[int], set[str]]:
+    """Nodes that outputs need, walking back until a stop name or a graph input; and the names read there."""
+    graph_inputs = {i.name for i in graph.input}
+    nodes, reads, stack = set(), set(), list(outputs)
+    while stack:
+        name = stack.pop()
+        if not name or name in reads:
+            continue
+        if name in stop or name in graph_inputs or name not in producers:
+            reads.add(name)  # a boundary, a graph input or an initializer
+            continue
+        index = producers[name]
+        if index not in nodes:
+            nodes.add(index)
+            stack.extend(graph.node[index].input)
+    return nodes, reads
+
+
+def split_graph(model: onnx.ModelProto, groups: list[tuple[int, int]], *, kv_layer: dict[str, int],
+                hidden_shape: list[int]) -> list[onnx.ModelProto]:
+    """model cut into one graph per layer group; kv_layer: each KV input/output name's layer."""
+    graph = model.graph
+    producers = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    boundaries = [_boundary(graph, b - 1, set(producers)) for _a, b in groups[:-1]]
+    inits = {t.name: t for t in graph.initializer}
+    values = {v.name: v for v in (*graph.input, *graph.output)}
+    for name in (n for names in boundaries for n in names):
+        values[name] = helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, hidden_shape)
+    walks = []
+    for k, (a, b) in enumerate(groups):
+        last = k == len(groups) - 1
+        own = [o.name for o in graph.output  # its layers' KV; the logits in the last part
+               if (a <= kv_layer[o.name] < b if o.name in kv_layer else last)]
+        outs = own + ([] if last else boundaries[k])
+        walks.append((outs, *_walk(graph, outs, stop=set(boundaries[k - 1]) if k else set(), producers=producers)))
+    parts = []
+    for k, (outs, nodes, reads) in enumerate(walks):
+        if k + 1 < len(walks):  # a boundary tensor the next part does not read is not an output
+            outs = [o for o in outs if o not in boundaries[k] or o in walks[k + 1][2]]
+        inputs = [n for n in (*(boundaries[k - 1] if k else ()), *(i.name for i in graph.input)) if n in reads]
+        part = helper.make_graph([graph.node[i] for i in sorted(nodes)], f"{graph.name}.part{k}",
+                                 [values[n] for n in inputs], [values[n] for n in outs],
+                                 initializer=[inits[n] for n in sorted(reads) if n in inits])
+        proto = helper.make_model(part, opset_imports=list(model.opset_import), producer_name=model.producer_name,
+                                  doc_string=f"{model.doc_string} part {k}: layers [{groups[k][0]}, {groups[k][1]})")
+        proto.ir_version = model.ir_version
+        parts.append(proto)
+    return parts
+
+
+def _part_specs(part: onnx.ModelProto, entry: GraphEntry, *, hidden_size: int) -> tuple[tuple, tuple]:
+    by_name = {s.name: s for s in (*entry.inputs, *entry.outputs)}
+    hidden = (entry.shape.batch, entry.shape.ar, hidden_size)  # [B, AR, hidden]
+
+    def spec(name: str, pool: tuple[TensorSpec, ...]) -> TensorSpec:
+        found = next((s for s in pool if s.name == name), None)
+        return found or by_name.get(name) or TensorSpec(name, Role.HIDDEN, "float32", hidden)
+
+    return (tuple(spec(v.name, entry.inputs) for v in part.graph.input),
+            tuple(spec(v.name, entry.outputs) for v in part.graph.output))
+
+
+def add_parts(family_dir: str | Path, num_parts: int) -> Manifest:
+    """Cut every graph of the family in family_dir into num_parts layer groups, written beside it, and record them
+    in its manifest (extra["parts"]: the layer groups and each graph's part entries)."""
+    family_dir = Path(family_dir)
+    manifest = load_manifest(family_dir)
+    groups = layer_groups(manifest.model.num_layers, num_parts)
+    by_file: dict[str, list[GraphEntry]] = {}
+    for entry in manifest.graphs:
+        if entry.kind in PART_KINDS:
+            by_file.setdefault(entry.file, []).append(entry)
+    part_entries: dict[str, list[dict]] = {}
+    for file, entries in by_file.items():
+        model = onnx.load(family_dir / file, load_external_data=False)
+        first = entries[0]
+        kv_layer = {s.name: s.layer for s in (*first.inputs, *first.outputs) if s.layer is not None}
+        hidden_shape = [first.shape.batch, first.shape.ar, manifest.model.hidden_size]  # [B, AR, hidden]
+        stem = Path(file).stem
+        files = []
+        for k, part in enumerate(split_graph(model, groups, kv_layer=kv_layer, hidden_shape=hidden_shape)):
+            part_file = f"{stem}.part{k}.onnx"
+            onnx.save_model(part, family_dir / part_file)
+            files.append((part_file, file_sha256(family_dir / part_file), part))
+        for entry in entries:
+            part_entries[entry.name] = []
+            for k, (part_file, sha, part) in enumerate(files):
+                inputs, outputs = _part_specs(part, entry, hidden_size=manifest.model.hidden_size)
+                part_entries[entry.name].append(GraphEntry(
+                    name=f"{entry.name}.part{k}", file=part_file, kind=entry.kind, shape=entry.shape, inputs=inputs,
+                    outputs=outputs, sha256=sha).to_dict())
+    manifest = dataclasses.replace(manifest, extra={
+        **manifest.extra, PARTS_KEY: {"layers": [list(g) for g in groups], "graphs": part_entries}})
+    manifest.save(family_dir)
+    return manifest

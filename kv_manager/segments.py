@@ -1,0 +1,114 @@
+"""Segment KV (seed 004, section 3.2): the prompt's K/V kept once, the responses' K/V in a buffer of their own.
+
+Several responses to one prompt share the prompt segment: the rows of the single-sequence cache that prefilled
+it, read in place by every sequence. Each response's own rows live in a ResponseCache, which starts at row 0 and
+grows in steps of 16 rows (the seed's step, BMC's r): a new buffer ceil(n / 16) x 16 rows long, the old rows
+copied into it once per step. KV memory is then the seed's formula (3):
+
+    BS x (N_prompt + BW x ceil(N_response / 16) x 16) x cache_token
+
+against BS x BW x (N_prompt + N_response) x cache_token when every response holds its own copy of the prompt.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from .cache import KVCache
+from .mask import MASK_VALUE
+from .spec import KVSpec
+
+SEGMENT_STEP = 16
+_SERIALS = itertools.count()  # one per SegmentKV: what a binding of its prompt segment belongs to
+
+
+def token_bytes(spec: KVSpec) -> int:
+    """cache_token: one row of every KV tensor (all layers, heads, K and V)."""
+    return spec.num_tensors * spec.head_dim * spec.itemsize
+
+
+def segment_kv_rows(*, num_prompt: int, num_responses: int, response_len: int, step: int = SEGMENT_STEP,
+                    batch: int = 1) -> int:
+    """Formula (3) in rows: BS x (N_prompt + BW x ceil(N_response / step) x step)."""
+    return batch * (num_prompt + num_responses * math.ceil(response_len / step) * step)
+
+
+def copied_kv_rows(*, num_prompt: int, num_responses: int, response_len: int, batch: int = 1) -> int:
+    """The copy-based layout's valid rows: every response holds the prompt and its own rows."""
+    return batch * num_responses * (num_prompt + response_len)
+
+
+class ResponseCache(KVCache):
+    """The responses' own rows: one sequence per response, valid rows from row 0, grown `step` rows at a time.
+
+    A graph reads each whole buffer (spec.heads_per_buffer = every KV head: [B, Hkv, capacity, D], right-padded,
+    `response_bias` masking the padding) and writes its AR new rows at rows[length : length + AR], inside it.
+    """
+
+    _loads_forward = True
+
+    def __init__(self, spec: KVSpec, *, step: int = SEGMENT_STEP) -> None:
+        if step < 1:
+            raise ValueError(f"the segment step must be >= 1, got {step}")
+        self.step = step
+        super().__init__(spec)
+
+    def _initial_rows(self) -> int:
+        return self._rounded(self.spec.max_ar)
+
+    def _initial_end(self) -> int:
+        return 0
+
+    def _rounded(self, rows: int) -> int:
+        return max(1, math.ceil(rows / self.step)) * self.step
+
+    def _make_room(self, past_len: int, ar: int) -> None:
+        needed = max(int(self.ends.max()) + ar, past_len)
+        if needed <= self.capacity:
+            return
+        new = self._new_buffer(self._rounded(needed))  # the seed's step: one allocation per `step` rows
+        for b in range(self.spec.batch):
+            self._move_rows(b, src=int(self.ends[b] - self.lengths[b]), dst=0, num_rows=int(self.lengths[b]),
+                            into=new)
+        self._set_buffer(new)
+        self.ends = self.lengths.copy()
+        self.stats.num_compactions += 1
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.stats.reserved_bytes
+
+
+def response_bias(*, lengths: np.ndarray, past_len: int, ar: int, out: np.ndarray) -> np.ndarray:
+    """[B, 1, AR, P + AR]: 0 where row i may attend, MASK_VALUE elsewhere; lengths[b] valid rows at the left of
+    the P-row window (right padding), then the AR new rows, causal."""
+    out.fill(MASK_VALUE)
+    for b, n in enumerate(np.minimum(lengths, past_len).tolist()):  # B sequences: a handful of slice writes
+        out[b, 0, :, :n] = 0
+    if ar == 1:
+        out[:, 0, 0, past_len] = 0
+    else:
+        out[:, 0, :, past_len:][:, np.tril(np.ones((ar, ar), bool))] = 0
+    return out
+
+
+class SegmentKV:
+    """The segment layout of one request: the prompt segment (a window over the cache that prefilled it) and the
+    responses' buffer. kv_bytes is what the layout holds: formula (3)."""
+
+    def __init__(self, prompt: KVCache, responses: ResponseCache, *, prompt_seq: int = 0) -> None:
+        if prompt.spec.num_tensors != responses.spec.num_tensors or prompt.spec.head_dim != responses.spec.head_dim:
+            raise ValueError("the prompt and response caches hold different KV tensors")
+        self.prompt, self.responses, self.prompt_seq = prompt, responses, prompt_seq
+        self.num_prompt_rows = int(prompt.lengths[prompt_seq])
+        self.serial = next(_SERIALS)
+
+    def prompt_addresses(self) -> np.ndarray:
+        """[T] int64 addresses of the prompt's first row in every tensor: its [1, 1, N_prompt, D] windows."""
+        return self.prompt.window_addresses(self.num_prompt_rows)[:, self.prompt_seq]
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_prompt_rows * token_bytes(self.prompt.spec) + self.responses.kv_bytes

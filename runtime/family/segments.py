@@ -1,0 +1,46 @@
+"""The I/O contract of segmented batched graphs (GraphKind.SEGMENT): segment KV, seed 004 section 3.2.
+
+A segmented graph runs B sequences that answer one prompt. Its past comes in two segments:
+
+- the prompt segment, per (layer, KV head, K|V) one [P_prompt, D] tensor shared by every sequence: a window
+  over the single-sequence cache that prefilled the prompt, bound once per request (its length is symbolic, so it
+  is bound at exactly the prompt's rows and needs no mask);
+- the response buffer, per (layer, K|V) one [B, Hkv, P, D] tensor: the whole ResponseCache buffer (valid rows first
+  in each sequence, right-padded; P grows 16 rows at a time), bound again only when the buffer is reallocated.
+
+The AR new rows of each (layer, KV head, K|V) and sequence are their own [1, 1, AR, D] outputs, bound at that
+sequence's slot inside the response buffer (slot rows lie inside the graph's response window, where the bias masks
+them: what the graph reads there does not matter). Scores of both segments and of the new rows go through one
+softmax (no KV is copied or concatenated); the attention bias [B, 1, AR, P + AR] covers the response rows and the
+new rows.
+"""
+from __future__ import annotations
+
+from .config import ModelConfig
+from .contract import GraphShape, Role, TensorSpec, buffer_name, kv_name
+
+PROMPT_ROLES = (Role.PROMPT_KEY, Role.PROMPT_VALUE)
+
+
+def segment_graph_io(config: ModelConfig, shape: GraphShape) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Inputs and outputs of a segmented graph (shape.past_len labels the response buffer's rows and the prompt's
+    length; both are symbolic in the file)."""
+    b, ar, p, d, hkv = shape.batch, shape.ar, shape.past_len, config.head_dim, config.num_kv_heads
+    if b < 2:
+        raise ValueError(f"a segmented graph is batched, got batch {b}")
+    inputs = [
+        TensorSpec("input_ids", Role.INPUT_IDS, "int64", (b, ar)),
+        TensorSpec("rope_cos", Role.ROPE_COS, "float32", (b, 1, ar, d)),  # [B, 1, AR, D]
+        TensorSpec("rope_sin", Role.ROPE_SIN, "float32", (b, 1, ar, d)),  # [B, 1, AR, D]
+        TensorSpec("attention_bias", Role.ATTENTION_BIAS, "float32", (b, 1, ar, p + ar)),  # [B, 1, AR, P + AR]
+    ]
+    outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, ar, config.vocab_size))]  # [B, AR, V]
+    for layer in range(config.num_layers):
+        for past, new, prompt in ((Role.PAST_KEY, Role.NEW_KEY, Role.PROMPT_KEY),
+                                  (Role.PAST_VALUE, Role.NEW_VALUE, Role.PROMPT_VALUE)):
+            inputs.append(TensorSpec(buffer_name(past, layer), past, "float32", (b, hkv, p, d), layer))
+            for h in range(hkv):  # above: [B, Hkv, P, D]; here: [P_prompt, D]
+                inputs.append(TensorSpec(kv_name(prompt, layer, h), prompt, "float32", (p, d), layer, h))
+                outputs += [TensorSpec(kv_name(new, layer, h, seq), new, "float32", (1, 1, ar, d), layer, h, seq)
+                            for seq in range(b)]  # [1, 1, AR, D]
+    return tuple(inputs), tuple(outputs)

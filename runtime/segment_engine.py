@@ -1,0 +1,150 @@
+"""Several responses on segmented graphs: the prompt's K/V read in place from the engine that prefilled it.
+
+SegmentEngine offers what BatchGenerator and BatchSpeculator ask of a batched Engine (load_prefix, decode_batch,
+verify, commit, ...), but holds no copy of the prompt: `load_prefix` binds the prompt engine's cached rows as the
+shared prompt segment and starts an empty ResponseCache for the responses' own rows (kv_manager/segments.py).
+The response buffer, read whole by the graphs, grows SEGMENT_STEP rows at a time: the graphs' response length
+climbs a ladder of that step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from staticlm.kv_manager import ContextFull, KVSpec, Overflow
+from staticlm.kv_manager.segments import SEGMENT_STEP, ResponseCache, SegmentKV
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind
+from staticlm.runtime.family.segments import segment_graph_io
+
+from .device import create_session
+from .engine import Engine, StepCounters
+from .ladder import rung_past_len
+from .segment_runner import SegmentRunner
+
+
+def has_segments(engine: Engine, batch: int) -> bool:
+    """Whether the family has segmented graphs for `batch` rows that can run with this engine's prompt cache."""
+    return (bool(engine.manifest.graphs_of(GraphKind.SEGMENT, batch=batch)) and engine.manifest.kv_dtype == "float32"
+            and engine.options.overflow is Overflow.ERROR)  # a slid prompt has no fixed segment
+
+
+class SegmentEngine:
+    def __init__(self, source: Engine, *, batch: int) -> None:
+        self.source = source  # the single-sequence engine whose cache holds the prompt
+        self.model_dir, self.options, self.config = source.model_dir, source.options, source.config
+        self.manifest, self.device = source.manifest, source.device
+        graphs = {g.shape.ar: g for g in self.manifest.graphs_of(GraphKind.SEGMENT, batch=batch)}
+        if 1 not in graphs:
+            raise ValueError(f"{self.model_dir} has no segmented decode graph for batch {batch}")
+        self.batch = batch
+        self._graphs = graphs
+        self.verify_lens = tuple(sorted(ar for ar in graphs if ar > 1))
+        self.max_context = source.max_context
+        self.kv: ResponseCache | None = None
+        self.segments: SegmentKV | None = None
+        self._entries: dict[str, GraphEntry] = {}
+        self._runners: dict[str, SegmentRunner] = {}
+        self._sessions: dict[str, object] = {}
+        self.counters = StepCounters()
+
+    # -- graphs -------------------------------------------------------------------------
+    def _entry(self, ar: int, past_len: int) -> GraphEntry:
+        """The segmented graph of AR rows at a response window of past_len rows (its file takes any length)."""
+        base = self._graphs[ar]
+        name = f"{base.name}@p{past_len}"
+        if name not in self._entries:
+            shape = dataclasses.replace(base.shape, past_len=past_len)
+            inputs, outputs = segment_graph_io(self.config, shape)
+            self._entries[name] = dataclasses.replace(base, name=name, shape=shape, inputs=inputs, outputs=outputs)
+        return self._entries[name]
+
+    def runner(self, entry: GraphEntry) -> SegmentRunner:
+        if entry.name not in self._runners:
+            session = self._sessions.get(entry.file) or create_session(
+                self.model_dir / entry.file, device=self.device, options=self.options.device,
+                cache_dir=self.model_dir / ".qnn_cache", shared_weights=self.source._shared_weights, prepack=True)
+            self._sessions[entry.file] = session
+            self._runners[entry.name] = SegmentRunner(session, entry, family=self.source._family)
+        return self._runners[entry.name]
+
+    def warm_up(self, *, verify: bool = True) -> None:
+        """Open the decode graph's session now (and the verify graphs' when verify), at the response buffer's first
+        size, so no answer pays for it."""
+        for ar in (1, *self.verify_lens) if verify else (1,):
+            self.runner(self._entry(ar, -(-max(self.verify_lens, default=1) // SEGMENT_STEP) * SEGMENT_STEP))
+
+    # -- requests -----------------------------------------------------------------------
+    def load_prefix(self, source: Engine) -> None:
+        """Every sequence starts from source's cached rows, read in place: nothing is copied."""
+        prompt = source.kv
+        num_prompt = int(prompt.lengths[0])
+        max_past = max(1, self.max_context - 1 - num_prompt)  # a full context is refused by check_room, as in Engine
+        spec = KVSpec(num_tensors=prompt.spec.num_tensors, head_dim=prompt.spec.head_dim, dtype=prompt.spec.dtype,
+                      max_past=max_past, max_ar=max(self.verify_lens, default=1),
+                      max_positions=self.config.max_positions, batch=self.batch,
+                      heads_per_buffer=self.config.num_kv_heads)
+        self.kv = ResponseCache(spec, step=SEGMENT_STEP)
+        self.segments = SegmentKV(prompt, self.kv)
+
+    def reset(self) -> None:
+        if self.kv is not None:
+            self.kv.reset()
+
+    @property
+    def num_cached(self) -> int:
+        """Rows cached (the longest sequence's), the prompt included."""
+        return self.segments.num_prompt_rows + int(self.kv.lengths.max())
+
+    def check_room(self, num_new: int) -> None:
+        if self.num_cached + num_new > self.max_context:
+            raise ContextFull(f"context full: {self.num_cached} cached + {num_new} new tokens exceed the largest "
+                              f"context {self.max_context}; export larger --context sizes")
+
+    # -- steps --------------------------------------------------------------------------
+    def _run(self, ar: int, tokens: np.ndarray) -> np.ndarray:
+        """tokens [B, n], n <= AR real rows (the rest pad); logits [B, AR, V], nothing committed."""
+        kv = self.kv
+        kv.prepare(past_len=rung_past_len(int(kv.lengths.max()), step=SEGMENT_STEP, max_past=kv.spec.max_past),
+                   ar=ar)
+        runner = self.runner(self._entry(ar, kv.capacity))  # the graph reads the whole buffer, 16 rows a rung
+        num_real = tokens.shape[-1]
+        runner.input_ids[:, :num_real] = tokens
+        runner.input_ids[:, num_real:] = runner.input_ids[:, num_real - 1:num_real]  # see Engine._run
+        return runner.run(self.segments)
+
+    def decode_batch(self, token_ids: np.ndarray, *, active: np.ndarray) -> np.ndarray:
+        """One token per sequence in, logits [B, V] out; inactive sequences commit nothing."""
+        self.check_room(1)
+        t0 = time.perf_counter()
+        logits = self._run(1, np.asarray(token_ids, np.int64).reshape(self.batch, 1))
+        self.kv.advance(active.astype(np.int64))
+        self.counters.num_decode_steps += 1
+        self.counters.decode_seconds += time.perf_counter() - t0
+        return logits[:, 0]
+
+    def verify_len(self, num_tokens: int) -> int | None:
+        for ar in self.verify_lens:
+            if ar >= num_tokens and self.num_cached + ar <= self.max_context:
+                return ar
+        return None
+
+    def verify(self, token_ids, *, num_real: np.ndarray | None = None) -> np.ndarray:
+        """Score [B, n] tokens in one call, committing nothing (Engine.verify); logits [B, n, V]."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        n = ids.shape[-1]
+        ar = self.verify_len(n)
+        if ar is None:
+            raise ValueError(f"no segmented verify graph takes {n} tokens at {self.num_cached} cached")
+        t0 = time.perf_counter()
+        logits = self._run(ar, ids)[:, :n]
+        self.counters.add_verify(ar=ar, num_rows=ar * self.batch, seconds=time.perf_counter() - t0,
+                                 num_tokens=int(num_real.sum()) if num_real is not None else ids.size)
+        return logits
+
+    def verify_cost_ratio(self, ar: int | None) -> float | None:
+        return self.counters.verify_cost_ratio(ar)
+
+    def commit(self, num_tokens: int | np.ndarray) -> None:
+        self.kv.advance(num_tokens)

@@ -1,0 +1,229 @@
+"""Segment KV (seed 004, section 3.2): the prompt's K/V shared by every response of --num-responses.
+
+References: formula (3) and the copy-based layout's row count for the memory; for the graphs, the copy-based
+batched engine (every row holds its own copy of the prompt) and single-sequence runs of the same family.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY_CONTEXTS, TINY_PREFILL
+
+from staticlm.kv_manager import KVSpec, make_kv_cache
+from staticlm.kv_manager.segments import ResponseCache, SegmentKV, copied_kv_rows, segment_kv_rows, token_bytes
+
+
+# -- kv_manager: formula (3) -----------------------------------------------------------------------------
+def test_segment_layout_holds_formula_3_bytes_and_keeps_every_row():
+    # The seed's figures: n = 4 responses of 128 tokens to a 1,000-token prompt hold 1,512 rows, against
+    # 4,512 when every response has its own copy of the prompt.
+    num_prompt, num_responses, response_len = 1000, 4, 128
+    spec = dict(num_tensors=4, head_dim=2, dtype="float32", max_ar=1, max_positions=4096)
+    prompt = make_kv_cache(KVSpec(max_past=2047, **spec))
+    prompt.load(0, np.random.default_rng(0).standard_normal((4, num_prompt, 2)).astype(np.float32))
+    responses = ResponseCache(KVSpec(max_past=2047 - num_prompt, batch=num_responses, heads_per_buffer=2, **spec))
+    layout = SegmentKV(prompt, responses)
+    written = np.zeros((num_responses, response_len, 4, 2), np.float32)  # [B, step, T, D] what each step wrote
+    for step in range(response_len):
+        responses.prepare(past_len=max(16, -(-step // 16) * 16), ar=1)
+        for t in range(4):
+            for b in range(num_responses):
+                row = responses.slot(t, b, 1)  # [1, 1, 1, D]
+                row[...] = written[b, step, t] = [b * 1000 + step, t]
+        responses.advance(1)
+    assert segment_kv_rows(num_prompt=num_prompt, num_responses=num_responses, response_len=response_len) == 1512
+    assert copied_kv_rows(num_prompt=num_prompt, num_responses=num_responses, response_len=response_len) == 4512
+    assert layout.kv_bytes == 1512 * token_bytes(prompt.spec)
+    assert responses.stats.num_allocations == response_len // 16  # one buffer per 16 rows, as the seed grows it
+    for b in range(num_responses):  # every row survived the reallocations
+        for t in range(4):
+            np.testing.assert_array_equal(responses.valid_rows(t, b), written[b, :, t])
+    np.testing.assert_array_equal(prompt.valid_rows(3, 0), prompt.valid_block(0)[3])
+
+    copy = make_kv_cache(KVSpec(max_past=2047, batch=num_responses, **spec))
+    for b in range(num_responses):
+        copy.load(b, prompt.valid_block(0))
+    for _ in range(response_len):
+        copy.prepare(past_len=2047, ar=1)
+        copy.advance(1)
+    held = int(copy.lengths.sum()) * token_bytes(copy.spec)
+    assert held == 4512 * token_bytes(prompt.spec)
+    assert layout.kv_bytes <= 0.4 * held  # the issue's target
+
+
+# -- graphs and runs on a tiny family ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def families(tiny_hf_dir, tmp_path_factory) -> dict[str, Path]:
+    """The cpu target's default (GroupQueryAttention, in place) and its per-head windows, batch 4, verify 4; a
+    256-token context holds the bench's 100-token prompt."""
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.graph import CpuAttention, CpuOptions
+    from staticlm.export.family import ExportOptions
+    from staticlm.export.sources import load_model
+
+    root = tmp_path_factory.mktemp("segments")
+    out = {}
+    for name, attention in (("gqa", CpuAttention.GQA), ("windows", CpuAttention.WINDOWS)):
+        export_cpu_family(load_model(tiny_hf_dir), root / name, cpu=CpuOptions(attention=attention),
+                          options=ExportOptions(contexts=(TINY_CONTEXTS[0], 256), prefill_len=TINY_PREFILL,
+                                                verify_lens=(4,), batch_sizes=(4,)))
+        out[name] = root / name
+    return out
+
+
+def test_segmented_graphs_read_both_segments_in_place(families):
+    # Every KV input (the prompt's per-head windows, the response buffers) feeds only the products of attention:
+    # no Concat, Slice, Transpose or Expand copies KV. The prompt's and the responses' lengths are symbolic.
+    import onnx
+
+    for name in ("segment_ar1_b4", "segment_ar4_b4"):
+        model = onnx.load(str(families["gqa"] / f"{name}.onnx"), load_external_data=False)
+        kv_inputs = {i.name: i for i in model.graph.input if i.name.startswith(("prompt_", "past_"))}
+        lengths = {i.type.tensor_type.shape.dim[0 if n.startswith("prompt_") else 2].dim_param
+                   for n, i in kv_inputs.items()}
+        assert lengths == {"prompt_len", "past_len"}
+        readers = {n: [node.op_type for node in model.graph.node if n in node.input] for n in kv_inputs}
+        for n, ops in readers.items():
+            assert ops and set(ops) <= {"FusedMatMul", "MatMul", "Shape"}, (name, n, ops)
+        # one prompt window per (layer, KV head, K|V), one response buffer per (layer, K|V): 2 layers, 2 heads
+        num_prompt = sum(n.startswith("prompt_") for n in kv_inputs)
+        assert (num_prompt, len(kv_inputs) - num_prompt) == (8, 4)
+
+
+def _engine(family: Path):
+    from staticlm.runtime.device import Device, DeviceOptions
+    from staticlm.runtime.engine import Engine, EngineOptions
+
+    return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2)))
+
+
+@pytest.mark.parametrize("name", ["gqa", "windows"])
+def test_segmented_steps_match_single_sequence_runs(families, name):
+    # Decode steps across two 16-row rungs of the response ladder, a verify step, then ragged commits: every
+    # sequence's logits equal the same tokens scored alone (the prompt in its own cache, no batch at all).
+    from staticlm.runtime.segment_engine import SegmentEngine
+
+    family = families[name]
+    prompt = np.random.default_rng(5).integers(0, 256, 11)
+    single = _engine(family)
+    single.prefill(prompt)
+    seg = SegmentEngine(single, batch=4)
+    seg.load_prefix(single)
+    history = [list(prompt) for _ in range(4)]
+
+    def check(got: np.ndarray, rows: list[list[int]]) -> None:
+        for b in range(4):
+            want = _engine(family).score(np.array(history[b] + rows[b]))[-len(rows[b]):]
+            np.testing.assert_allclose(got[b, :len(rows[b])], want, atol=1e-3 * np.abs(want).max(), err_msg=f"{b}")
+            assert (got[b, :len(rows[b])].argmax(-1) == want.argmax(-1)).all()
+
+    streams = np.random.default_rng(6).integers(0, 256, (4, 18))
+    for step in range(18):
+        logits = seg.decode_batch(streams[:, step], active=np.ones(4, bool))
+        if step in (0, 15, 16, 17):  # the first rung, its last row, the second rung
+            check(logits[:, None], [[int(t)] for t in streams[:, step]])
+        for b in range(4):
+            history[b].append(int(streams[b, step]))
+    drafts = np.random.default_rng(7).integers(0, 256, (4, 4))
+    check(seg.verify(drafts).copy(), [list(map(int, d)) for d in drafts])
+    accepted = np.array([1, 4, 0, 2])
+    seg.commit(accepted)
+    for b in range(4):
+        history[b] += list(map(int, drafts[b, :accepted[b]]))
+    nxt = np.array([3, 4, 5, 6])
+    check(seg.decode_batch(nxt, active=np.ones(4, bool))[:, None], [[int(t)] for t in nxt])
+    assert seg.kv.stats.copied_rows == 4 * 16  # the responses' rows, copied once when they passed 16 rows
+    assert single.kv.stats.copied_rows == 0  # and never the prompt
+
+
+def _varied_greedy():
+    from staticlm.runtime.sampling import SamplingParams
+
+    # greedy; the tiny random model repeats one token forever unless repeating is penalized hard
+    return SamplingParams(temperature=0.0, repetition_penalty=10.0)
+
+
+def _batch_generate(family: Path, ids: list[int], params, *, segments: bool, num_responses: int = 4,
+                    speculate: bool = False):
+    from staticlm.runtime.batch import BatchGenerator
+    from staticlm.runtime.batch_speculative import BatchSpeculator
+    from staticlm.runtime.drafters import PromptLookupDrafter
+    from staticlm.runtime.model import open_tokenizer
+
+    speculator = BatchSpeculator([PromptLookupDrafter()] * 4) if speculate else None
+    gen = BatchGenerator(_engine(family), open_tokenizer(family), num_rows=4, speculator=speculator,
+                         segments=segments)
+    return gen, gen.generate(ids, params, num_responses=num_responses)
+
+
+def _single_tokens(family: Path, ids: list[int], params) -> list[int]:
+    from staticlm.runtime.generator import Generator
+    from staticlm.runtime.model import open_tokenizer
+
+    return Generator(_engine(family), open_tokenizer(family)).generate(ids, params).token_ids
+
+
+@pytest.mark.parametrize("num_responses", [4, 2])
+def test_greedy_responses_equal_single_runs(families, num_responses):
+    # n = 2 runs on the batch-4 export, its two spare rows inactive.
+    from staticlm.runtime.generator import GenerationParams
+    from staticlm.runtime.segment_engine import SegmentEngine
+
+    family = families["gqa"]
+    ids = list(np.random.default_rng(8).integers(0, 256, 9))
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True, sampling=_varied_greedy())
+    gen, responses = _batch_generate(family, ids, params, segments=True, num_responses=num_responses)
+    assert isinstance(gen.batch, SegmentEngine) and gen.batch.batch == 4
+    want = _single_tokens(family, ids, params)
+    assert len(responses) == num_responses and len(set(want)) > 10
+    assert [r.token_ids for r in responses] == [want] * num_responses
+
+
+def test_seeded_sampled_responses_equal_the_copy_based_path(families):
+    from staticlm.runtime.generator import GenerationParams
+    from staticlm.runtime.sampling import SamplingParams
+
+    family = families["windows"]
+    ids = list(np.random.default_rng(9).integers(0, 256, 10))
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True,
+                              sampling=SamplingParams(temperature=1.0, top_k=50, seed=11))
+    _, segmented = _batch_generate(family, ids, params, segments=True)
+    copied_gen, copied = _batch_generate(family, ids, params, segments=False)
+    assert copied_gen.batch.kv.stats.copied_rows >= 4 * len(ids)  # the reference really copied the prompt
+    assert [r.token_ids for r in segmented] == [r.token_ids for r in copied]
+    assert len({tuple(r.token_ids) for r in segmented}) > 1  # the sampled answers differ: the test means something
+
+
+def test_bass_runs_on_segmented_verify_graphs(families):
+    from staticlm.runtime.generator import GenerationParams
+    from staticlm.runtime.model import open_tokenizer
+
+    family = families["gqa"]
+    ids = open_tokenizer(family).encode("abcabcabcabc abcabc", add_special_tokens=False)
+    params = GenerationParams(max_new_tokens=30, ignore_eos=True)  # plain greedy repeats: lookup drafts find matches
+    gen, responses = _batch_generate(family, ids, params, segments=True, speculate=True)
+    assert gen.speculator.stats.num_drafted > 0 and gen.batch.counters.num_verify_steps > 0
+    assert [r.token_ids for r in responses] == [_single_tokens(family, ids, params)] * 4
+
+
+def test_bench_rows_report_both_paths(families):
+    # `staticlm bench --only segments`, quick, on the tiny family: the 100-token prompt runs (1,000 does not fit).
+    from staticlm.apps.bench.base import BenchContext, BenchOptions
+    from staticlm.apps.bench.segments import bench_segments
+
+    family = families["gqa"]
+    ctx = BenchContext(options=BenchOptions(model_dir=family, quick=True), model_dir=family, contexts=(256,),
+                       prompt_len=100, text_ids=list(np.random.default_rng(3).integers(0, 256, 1200)),
+                       max_context=256, decode_steps=4, log=lambda _line: None)
+    rows = {r.key: r.ours for r in bench_segments(ctx)}
+    assert set(rows) == {f"segments.p100.{k}" for k in ("together", "step_ratio_segment", "step_ratio_copy",
+                                                          "kv_segment")}
+    assert all(np.isfinite(v) and v > 0 for v in rows.values())
+    kv = ctx.extra["segments"][100]["kv_bytes"]
+    assert (kv["formula_3_rows"], kv["copy_rows"]) == (100 + 4 * 16, 4 * (100 + 7))  # 8 tokens, 7 fed back
+    assert kv["segment"] < kv["copy_valid"] < kv["copy_reserved"]
+    # both counters in rows of the same cache_token: the segmented one is formula (3), the copies 4 x (prompt + 7)
+    assert kv["segment"] * kv["copy_rows"] == kv["formula_3_rows"] * kv["copy_valid"]
+    assert "segments@1000" in ctx.extra["skipped_rows"]
