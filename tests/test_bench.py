@@ -14,7 +14,7 @@ from staticlm.kv_manager.sizing import choose_bmc_r
 EXPECTED_ROW_PREFIXES = ("bmc.alpha_bw", "bmc.beta_c", "bmc.N", "decode@", "prefill", "ttft", "peak_rss",
                          "kv_bytes", "strategy.concat", "strategy.shift", "strategy.bmc", "strategy.pointer",
                          "spec.rewrite.none", "spec.rewrite.lookup", "spec.chat.lookup", "responses4.together",
-                         "responses4.sequential")
+                         "responses4.sequential", "decode_bytes@", "decode_read_rate@", "host_read_bandwidth")
 
 
 def staticlm(*args, env=None, timeout=120):
@@ -40,7 +40,7 @@ def quick_run(tiny_chat_family, tmp_path_factory):
     return out, cache, proc
 
 
-def test_quick_bench_writes_json_with_positive_speeds(quick_run):
+def test_quick_bench_writes_json_with_positive_speeds(quick_run, tiny_chat_family):
     out, _, proc = quick_run
     report = json.loads((out / "bench.json").read_text())
     rows = {r["key"]: r for r in report["rows"]}
@@ -50,6 +50,11 @@ def test_quick_bench_writes_json_with_positive_speeds(quick_run):
         assert math.isfinite(row["ours"]) and row["ours"] > 0, (key, row)
     # of the default contexts, those that fit the family's largest (512)
     assert {k for k in rows if k.startswith("decode@")} == {"decode@128", "decode@512"}
+    # a decode step reads at most the weight file (less the tables it only gathers rows from: the embedding, RoPE)
+    # plus the K/V the cache holds; more cached rows, more bytes
+    weights_mb = (tiny_chat_family / "weights.bin").stat().st_size / 1e6
+    assert rows["decode_bytes@128"]["ours"] <= weights_mb + rows["kv_bytes"]["ours"]
+    assert rows["decode_bytes@128"]["ours"] < rows["decode_bytes@512"]["ours"]
     assert report["meta"]["peers"] == [] and "failed" not in json.dumps(report["meta"].get("skipped_rows", {}))
     latency = report["figures"]["strategy_latency"]
     assert set(latency) == {"concat", "shift", "bmc", "pointer"}

@@ -39,8 +39,8 @@ def fake_first_export(tiny_chat_family, monkeypatch):
     """run_export as the first run calls it, copying the tiny family (and talking on stderr like the real one)."""
     calls = []
 
-    def run_export(*, model, out_dir, target, quiet, on_progress):
-        calls.append({"model": model, "out_dir": out_dir, "target": target})
+    def run_export(*, model, out_dir, target, quiet, on_progress, grid_minima):
+        calls.append({"model": model, "out_dir": out_dir, "target": target, "grid_minima": grid_minima})
         print("exporting ... (progress)", file=sys.stderr)
         shutil.copytree(tiny_chat_family, out_dir)
         return out_dir
@@ -54,7 +54,8 @@ def test_the_default_family_is_the_machines_export(fresh_home, fake_first_export
     monkeypatch.setattr(models, "npu_available", lambda: npu)
     path = models.resolve_model_dir(None)
     target = "htp" if npu else "cpu"
-    assert fake_first_export == [{"model": "smollm2-135m", "out_dir": default_model_dir(target), "target": target}]
+    assert fake_first_export == [{"model": "smollm2-135m", "out_dir": default_model_dir(target), "target": target,
+                                  "grid_minima": "folded" if target == "cpu" else None}]
     assert path == default_model_dir(target) and models.resolve_model_dir(None) == path  # exported once
     assert models.resolve_model_dir(Path("float")) == default_model_dir("float")  # the reference, one flag away
     assert fake_first_export[-1]["target"] == "float"

@@ -1,0 +1,60 @@
+"""The two sides of a claim that decode is bound by memory bandwidth, measured in the same run as the decode rates:
+the bytes one decode step reads (every weight the decode graph multiplies, plus the cached K/V its attention reads)
+and this host's read bandwidth (numpy sums over a 256 MB array, one thread per core)."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from staticlm.runtime.family.manifest import GraphKind, load_manifest
+
+GATHERS = {"Gather", "GatherBlockQuantized"}  # read a few rows per token, not the whole table
+PROBE_BYTES = 256 << 20
+
+
+def decode_weight_bytes(model_dir: Path) -> int:
+    """Bytes of the weight file the one-sequence decode graph reads per step (tables it only gathers from excluded)."""
+    manifest = load_manifest(model_dir)
+    model = onnx.load(str(Path(model_dir) / manifest.graphs_of(GraphKind.DECODE)[-1].file), load_external_data=False)
+    consumers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, set()).add(node.op_type)
+    total = 0
+    for tensor in model.graph.initializer:
+        ops = consumers.get(tensor.name, set())
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and ops and not ops <= GATHERS:
+            total += int({e.key: e.value for e in tensor.external_data}["length"])
+    return total
+
+
+def kv_read_bytes(model_dir: Path, num_rows: int) -> int:
+    """K and V of every layer's cached rows, read once by a decode step's attention."""
+    manifest = load_manifest(model_dir)
+    c = manifest.model
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(manifest.kv_dtype).itemsize * num_rows
+
+
+def read_bandwidth(num_threads: int, *, num_repeats: int = 5) -> float:
+    """Best bytes/s of summing a 256 MB float32 array split across num_threads threads (numpy releases the GIL)."""
+    data = np.ones(PROBE_BYTES // 4, np.float32)
+    shares = np.array_split(data, num_threads)
+
+    def run() -> None:
+        threads = [threading.Thread(target=share.sum) for share in shares]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    run()  # pages touched once before timing
+    best = float("inf")
+    for _ in range(num_repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
