@@ -140,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a --cpu-attention windows export of the same model: the concat/shift/bmc/pointer rows when "
                         "--model keeps its KV in place")
     b.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat, small microbenchmark")
-    b.add_argument("--only", default=None, help="comma-separated row sets to run (default all): speed, bmc, "
-                   "strategies, speculative, responses, serve")
+    b.add_argument("--only", default=None, help="comma-separated row sets to run (default all but runahead): bmc, "
+                   "speed, strategies, speculative, responses, segments, serve, runahead (opt-in: ten minutes or more)")
     return parser
 
 

@@ -8,6 +8,8 @@ copied into it once per step. KV memory is then the seed's formula (3):
     BS x (N_prompt + BW x ceil(N_response / 16) x 16) x cache_token
 
 against BS x BW x (N_prompt + N_response) x cache_token when every response holds its own copy of the prompt.
+Graphs of static shapes (the HTP target) bind the whole buffer at a few response lengths only: there the buffer
+grows from one of those rungs to the next, and holds up to a rung's rows instead of the next multiple of 16.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 
 from .cache import KVCache
 from .mask import MASK_VALUE
-from .spec import KVSpec
+from .spec import ContextFull, KVSpec
 
 SEGMENT_STEP = 16
 _SERIALS = itertools.count()  # one per SegmentKV: what a binding of its prompt segment belongs to
@@ -43,16 +45,18 @@ def copied_kv_rows(*, num_prompt: int, num_responses: int, response_len: int, ba
 class ResponseCache(KVCache):
     """The responses' own rows: one sequence per response, valid rows from row 0, grown `step` rows at a time.
 
-    A graph reads each whole buffer (spec.heads_per_buffer = every KV head: [B, Hkv, capacity, D], right-padded,
-    `response_bias` masking the padding) and writes its AR new rows at rows[length : length + AR], inside it.
+    A graph reads each whole buffer (spec.heads_per_buffer = every KV head: [B, Hkv, capacity, D], or one head:
+    [B, 1, capacity, D] per tensor; right-padded, `response_bias` masking the padding) and writes its AR new rows at
+    rows[length : length + AR], inside it. rungs: the only capacities allowed (graphs of static shapes, each
+    binding a whole buffer: the HTP target), else any multiple of step.
     """
 
     _loads_forward = True
 
-    def __init__(self, spec: KVSpec, *, step: int = SEGMENT_STEP) -> None:
+    def __init__(self, spec: KVSpec, *, step: int = SEGMENT_STEP, rungs: tuple[int, ...] | None = None) -> None:
         if step < 1:
             raise ValueError(f"the segment step must be >= 1, got {step}")
-        self.step = step
+        self.step, self.rungs = step, tuple(sorted(rungs)) if rungs else None
         super().__init__(spec)
 
     def _initial_rows(self) -> int:
@@ -62,6 +66,12 @@ class ResponseCache(KVCache):
         return 0
 
     def _rounded(self, rows: int) -> int:
+        if self.rungs is not None:
+            fits = [r for r in self.rungs if r >= rows]
+            if not fits:
+                raise ContextFull(f"context full: {rows} response rows exceed the largest segmented graph's "
+                                  f"{self.rungs[-1]}")
+            return fits[0]
         return max(1, math.ceil(rows / self.step)) * self.step
 
     def _make_room(self, past_len: int, ar: int) -> None:
@@ -94,6 +104,17 @@ def response_bias(*, lengths: np.ndarray, past_len: int, ar: int, out: np.ndarra
     return out
 
 
+def segment_bias(*, num_prompt: int, prompt_len: int, lengths: np.ndarray, past_len: int, ar: int,
+                 out: np.ndarray) -> np.ndarray:
+    """[B, 1, AR, P_prompt + P + AR]: a static prompt window of prompt_len rows (its num_prompt rows at the right
+    end, left padding masked; 0: no prompt columns), then response_bias over the response rows and the new rows."""
+    if prompt_len:  # 0: no prompt columns (a prompt bound at its own rows needs no mask)
+        out[..., :prompt_len - num_prompt] = MASK_VALUE
+        out[..., prompt_len - num_prompt:prompt_len] = 0
+    response_bias(lengths=lengths, past_len=past_len, ar=ar, out=out[..., prompt_len:])
+    return out
+
+
 class SegmentKV:
     """The segment layout of one request: the prompt segment (a window over the cache that prefilled it) and the
     responses' buffer. kv_bytes is what the layout holds: formula (3)."""
@@ -105,9 +126,10 @@ class SegmentKV:
         self.num_prompt_rows = int(prompt.lengths[prompt_seq])
         self.serial = next(_SERIALS)
 
-    def prompt_addresses(self) -> np.ndarray:
-        """[T] int64 addresses of the prompt's first row in every tensor: its [1, 1, N_prompt, D] windows."""
-        return self.prompt.window_addresses(self.num_prompt_rows)[:, self.prompt_seq]
+    def prompt_addresses(self, rows: int | None = None) -> np.ndarray:
+        """[T] int64 addresses of every tensor's prompt window: its [1, 1, rows, D] rows ending at the prompt's
+        end (rows: N_prompt by default; more for a static window, the rows before the prompt its left padding)."""
+        return self.prompt.window_addresses(rows or self.num_prompt_rows)[:, self.prompt_seq]
 
     @property
     def kv_bytes(self) -> int:

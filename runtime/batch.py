@@ -15,6 +15,7 @@ import numpy as np
 from staticlm.errors import InvalidOption
 
 from .engine import Engine
+from .family.manifest import GraphKind
 from .sampling import sample
 from .segment_engine import SegmentEngine, has_segments
 from .text_stream import FinishReason, GenerationParams, TextStream
@@ -46,13 +47,20 @@ class BatchGenerator:
                  segments: bool = False) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         # segments: the family's segmented graphs read the prompt's K/V in place (segment_engine.py); else (or
-        # without them) every row gets its own copy of the prompt
-        self.batch = (SegmentEngine(engine, batch=num_rows) if segments and has_segments(engine, num_rows)
+        # without them) every row gets its own copy of the prompt. An HTP family's batched graphs are all segmented.
+        copies = bool(engine.manifest.graphs_of(GraphKind.DECODE, batch=num_rows))
+        segments = (segments or not copies) and has_segments(engine, num_rows)
+        if not (segments or copies):
+            raise InvalidOption(f"{engine.model_dir}: its batched graphs read one shared prompt segment, which "
+                                "--on-overflow slide cannot keep; use --on-overflow error, or one response at a time")
+        self.batch = (SegmentEngine(engine, batch=num_rows) if segments
                       else Engine(engine.model_dir, options=engine.options, batch=num_rows, weights_from=engine))
         self.speculator = speculator  # a BatchSpeculator, or None
         if speculator is not None and not self.batch.verify_lens:
-            raise InvalidOption(f"{engine.model_dir} has no batched verify graphs for {num_rows} rows: "
-                                f"export it with --batch-sizes {num_rows}")
+            raise InvalidOption(f"{engine.model_dir} has no batched verify graphs for {num_rows} rows: " + (
+                "its segmented graphs have no verify length (exported with --verify-lens none); run several "
+                "responses without --speculate" if segments
+                else f"export it with --batch-sizes {num_rows}"))
         self.rng = np.random.default_rng()
 
     @property

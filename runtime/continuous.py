@@ -21,6 +21,7 @@ from staticlm.errors import InvalidOption
 from staticlm.kv_manager import ContextFull
 
 from .engine import Engine
+from .family.manifest import GraphKind
 from .generator import Generator
 from .model import Model
 from .prompt_cache import PromptCache, common_prefix
@@ -71,7 +72,9 @@ class ContinuousBatcher:
     def __init__(self, model: Model, *, max_queue: int = 64, prompt_cache: bool = True) -> None:
         self.model, self.use_cache = model, prompt_cache
         self.generator: Generator = model.generator
-        num_rows = batch_size_for_serving(model.manifest.batch_sizes)
+        # rows of their own per request: the copy-based batched decode graphs (segmented ones share one prompt)
+        num_rows = batch_size_for_serving(tuple(g.shape.batch for g in model.manifest.graphs
+                                                if g.kind is GraphKind.DECODE))
         engine = model.engine
         self.batch = Engine(engine.model_dir, options=engine.options, batch=num_rows, weights_from=engine)
         self.batch.warm_up()

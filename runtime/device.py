@@ -17,6 +17,7 @@ from staticlm.errors import UserError
 
 from . import qnn_context
 from .family.manifest import Manifest, read_manifest
+from .parts import PARTS_KEY
 
 QNN_EP = "QNNExecutionProvider"
 # SM8650 (Snapdragon 8 Gen 3); the x86_64 HTP emulator needs an explicit SoC to finalize graphs.
@@ -112,10 +113,31 @@ def qnn_cache_key(model_path: Path, soc_model: str) -> str:
     return qnn_context.cache_key([Path(model_path)], soc_model, _qnn_version())
 
 
-def family_graph_files(model_dir: Path) -> tuple[Path, ...]:
-    """The family's graph files, from its manifest (ManifestError when it cannot be read)."""
+# About what one HTP context holds: a family whose weights exceed it compiles its layer-group parts
+# (`export --parts N`) into one context each, and not its whole graphs.
+MAX_CONTEXT_WEIGHT_BYTES = 2 << 30
+
+
+def context_groups(model_dir: Path) -> tuple[tuple[Path, ...], ...]:
+    """The family's graph files by the shared context each compiles into (ManifestError when it cannot be read):
+    the whole graphs (unless their weights exceed one context), then per layer group of a family exported with
+    --parts, that group's part of every graph (weights of its layers only)."""
     model_dir = Path(model_dir)
-    return tuple(sorted({model_dir / g.file for g in read_manifest(model_dir).graphs}))
+    manifest = read_manifest(model_dir)
+    groups = []
+    if manifest.weights_bytes <= MAX_CONTEXT_WEIGHT_BYTES or not manifest.extra.get(PARTS_KEY):
+        groups.append(tuple(sorted({model_dir / g.file for g in manifest.graphs})))
+    by_part: dict[int, set[Path]] = {}
+    for chain in manifest.extra.get(PARTS_KEY, {}).get("graphs", {}).values():
+        for k, part in enumerate(chain):
+            by_part.setdefault(k, set()).add(model_dir / part["file"])
+    groups += [tuple(sorted(by_part[k])) for k in sorted(by_part)]
+    return tuple(groups)
+
+
+def family_graph_files(model_dir: Path) -> tuple[Path, ...]:
+    """Every graph file the family compiles (context_groups)."""
+    return tuple(f for group in context_groups(model_dir) for f in group)
 
 
 def _htp_session_options(options: DeviceOptions) -> ort.SessionOptions:
@@ -133,14 +155,21 @@ def _htp_session_options(options: DeviceOptions) -> ort.SessionOptions:
 
 def compile_shared_context(model_dir: Path, *, options: DeviceOptions,
                            on_graph: Callable[[Path], None] | None = None) -> Path:
-    """Every graph of the family at model_dir into one QNN context binary whose graphs share their weights
-    (one session group: ep.share_ep_contexts, the last with ep.stop_share_ep_contexts). Returns its directory
-    under .qnn_cache; a device loads it instead of compiling (see qnn_context.py). on_graph(file) runs after
-    each graph is compiled (progress)."""
+    """Each context group of the family (context_groups: the whole graphs, and each layer group's parts) into one
+    QNN context binary whose graphs share their weights. Returns the cache directory (.qnn_cache) that holds them;
+    a device loads them instead of compiling (see qnn_context.py). on_graph(file) runs after each graph (progress)."""
     model_dir = Path(model_dir)
-    files = family_graph_files(model_dir)
+    for files in context_groups(model_dir):
+        _compile_group(files, options=options, on_graph=on_graph)
+    return model_dir / ".qnn_cache"
+
+
+def _compile_group(files: tuple[Path, ...], *, options: DeviceOptions,
+                   on_graph: Callable[[Path], None] | None) -> Path:
+    """files into one context binary (one session group: ep.share_ep_contexts, the last with
+    ep.stop_share_ep_contexts)."""
     key = qnn_context.cache_key(list(files), options.soc_model, _qnn_version())
-    out = qnn_context.shared_context_dir(model_dir / ".qnn_cache", key)
+    out = qnn_context.shared_context_dir(files[0].parent / ".qnn_cache", key)
     if qnn_context.is_complete(out, list(files)):
         return out
     tmp = out.with_name(out.name + ".tmp")
@@ -183,8 +212,8 @@ def _shared_context_for(path: Path, cache_dir: Path, options: DeviceOptions) -> 
     """The graph's model in the family's compiled shared context, where one exists and can be loaded here."""
     if qnn_context.EMULATOR or not cache_dir.is_dir():
         return None
-    files = family_graph_files(path.parent)
-    if path not in files:
+    files = next((g for g in context_groups(path.parent) if path in g), None)
+    if files is None:
         return None
     shared = qnn_context.shared_context_dir(cache_dir, qnn_context.cache_key(list(files), options.soc_model,
                                                                                _qnn_version()))

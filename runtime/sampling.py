@@ -54,7 +54,9 @@ def _penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.
     return out
 
 
-NUCLEUS_PROBES = (1024, 8192)  # top-p first looks among this many of the likeliest tokens, then this many
+# top-p looks among this many of the likeliest tokens, then twice as many, ...: a probe that falls short costs one
+# partition of the tokens below it, sorting what a larger probe holds costs more
+NUCLEUS_PROBES = (1024, 2048, 4096, 8192, 16384)
 NUCLEUS_PROBE = NUCLEUS_PROBES[0]
 
 
@@ -73,10 +75,14 @@ def _nucleus_superset(raw: np.ndarray, *, temperature: float, top: float,
     """
     r32 = raw.astype(np.float32, copy=False)
     exp32 = np.exp((r32 - r32.max()) * np.float32(1.0 / temperature))
+    lower, num_above = r32, 0  # the values below the last probe's boundary (unordered), how many lie above it
     for k in NUCLEUS_PROBES:
         if k >= raw.size:
             break
-        likely = r32 >= np.partition(r32, raw.size - k)[raw.size - k]
+        cut = lower.size - (k - num_above)  # in lower, ascending: the k-th likeliest of all
+        lower = np.partition(lower, cut)
+        likely = r32 >= lower[cut]
+        lower, num_above = lower[:cut], k
         head = np.exp(raw[likely].astype(np.float64) / temperature - top)
         mass = float(head.sum())
         z = mass + float(exp32[~likely].sum(dtype=np.float64))

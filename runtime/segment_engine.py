@@ -3,31 +3,35 @@
 SegmentEngine offers what BatchGenerator and BatchSpeculator ask of a batched Engine (load_prefix, decode_batch,
 verify, commit, ...), but holds no copy of the prompt: `load_prefix` binds the prompt engine's cached rows as the
 shared prompt segment and starts an empty ResponseCache for the responses' own rows (kv_manager/segments.py).
-The response buffer, read whole by the graphs, grows SEGMENT_STEP rows at a time: the graphs' response length
-climbs a ladder of that step.
+The response buffer, read whole by the graphs, grows SEGMENT_STEP rows at a time (a cpu family: the graphs'
+response length climbs a ladder of that step) or from rung to rung of the graphs' static response lengths (an HTP
+family); segment_layout.py holds the difference.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
 
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow
 from staticlm.kv_manager.segments import SEGMENT_STEP, ResponseCache, SegmentKV
+from staticlm.runtime.family.contract import Role
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind
-from staticlm.runtime.family.segments import segment_graph_io
 
 from .device import create_session
 from .engine import Engine, StepCounters
 from .ladder import rung_past_len
+from .segment_layout import segment_layout
 from .segment_runner import SegmentRunner
 
 
 def has_segments(engine: Engine, batch: int) -> bool:
     """Whether the family has segmented graphs for `batch` rows that can run with this engine's prompt cache."""
-    return (bool(engine.manifest.graphs_of(GraphKind.SEGMENT, batch=batch)) and engine.manifest.kv_dtype == "float32"
-            and engine.options.overflow is Overflow.ERROR)  # a slid prompt has no fixed segment
+    graphs = engine.manifest.graphs_of(GraphKind.SEGMENT, batch=batch)
+    # a graph's prompt segment is the prompt cache's rows as they are: same element type (quantized KV: same
+    # parameters, boundary_params); a slid prompt has no fixed segment
+    return (bool(graphs) and all(s.dtype == engine.manifest.kv_dtype for g in graphs for s in g.inputs
+                                 if s.role is Role.PROMPT_KEY) and engine.options.overflow is Overflow.ERROR)
 
 
 class SegmentEngine:
@@ -35,31 +39,19 @@ class SegmentEngine:
         self.source = source  # the single-sequence engine whose cache holds the prompt
         self.model_dir, self.options, self.config = source.model_dir, source.options, source.config
         self.manifest, self.device = source.manifest, source.device
-        graphs = {g.shape.ar: g for g in self.manifest.graphs_of(GraphKind.SEGMENT, batch=batch)}
-        if 1 not in graphs:
+        self.layout = segment_layout(self.manifest.graphs_of(GraphKind.SEGMENT, batch=batch), self.config)
+        if 1 not in self.layout.ars:
             raise ValueError(f"{self.model_dir} has no segmented decode graph for batch {batch}")
         self.batch = batch
-        self._graphs = graphs
-        self.verify_lens = tuple(sorted(ar for ar in graphs if ar > 1))
+        self.verify_lens = tuple(ar for ar in self.layout.ars if ar > 1)
         self.max_context = source.max_context
         self.kv: ResponseCache | None = None
         self.segments: SegmentKV | None = None
-        self._entries: dict[str, GraphEntry] = {}
         self._runners: dict[str, SegmentRunner] = {}
         self._sessions: dict[str, object] = {}
         self.counters = StepCounters()
 
     # -- graphs -------------------------------------------------------------------------
-    def _entry(self, ar: int, past_len: int) -> GraphEntry:
-        """The segmented graph of AR rows at a response window of past_len rows (its file takes any length)."""
-        base = self._graphs[ar]
-        name = f"{base.name}@p{past_len}"
-        if name not in self._entries:
-            shape = dataclasses.replace(base.shape, past_len=past_len)
-            inputs, outputs = segment_graph_io(self.config, shape)
-            self._entries[name] = dataclasses.replace(base, name=name, shape=shape, inputs=inputs, outputs=outputs)
-        return self._entries[name]
-
     def runner(self, entry: GraphEntry) -> SegmentRunner:
         if entry.name not in self._runners:
             session = self._sessions.get(entry.file) or create_session(
@@ -72,8 +64,10 @@ class SegmentEngine:
     def warm_up(self, *, verify: bool = True) -> None:
         """Open the decode graph's session now (and the verify graphs' when verify), at the response buffer's first
         size, so no answer pays for it."""
+        rows = (self.layout.rungs or (SEGMENT_STEP,))[0]
+        first = max(rows, -(-max(self.verify_lens, default=1) // SEGMENT_STEP) * SEGMENT_STEP)
         for ar in (1, *self.verify_lens) if verify else (1,):
-            self.runner(self._entry(ar, -(-max(self.verify_lens, default=1) // SEGMENT_STEP) * SEGMENT_STEP))
+            self.runner(self.layout.entry(ar, num_prompt=1, capacity=first))
 
     # -- requests -----------------------------------------------------------------------
     def load_prefix(self, source: Engine) -> None:
@@ -84,8 +78,8 @@ class SegmentEngine:
         spec = KVSpec(num_tensors=prompt.spec.num_tensors, head_dim=prompt.spec.head_dim, dtype=prompt.spec.dtype,
                       max_past=max_past, max_ar=max(self.verify_lens, default=1),
                       max_positions=self.config.max_positions, batch=self.batch,
-                      heads_per_buffer=self.config.num_kv_heads)
-        self.kv = ResponseCache(spec, step=SEGMENT_STEP)
+                      pad_values=prompt.spec.pad_values, heads_per_buffer=self.layout.heads_per_buffer)
+        self.kv = ResponseCache(spec, step=SEGMENT_STEP, rungs=self.layout.rungs)
         self.segments = SegmentKV(prompt, self.kv)
 
     def reset(self) -> None:
@@ -108,7 +102,8 @@ class SegmentEngine:
         kv = self.kv
         kv.prepare(past_len=rung_past_len(int(kv.lengths.max()), step=SEGMENT_STEP, max_past=kv.spec.max_past),
                    ar=ar)
-        runner = self.runner(self._entry(ar, kv.capacity))  # the graph reads the whole buffer, 16 rows a rung
+        runner = self.runner(self.layout.entry(ar, num_prompt=self.segments.num_prompt_rows,
+                                               capacity=kv.capacity))  # the graph reads the whole buffer
         num_real = tokens.shape[-1]
         runner.input_ids[:, :num_real] = tokens
         runner.input_ids[:, num_real:] = runner.input_ids[:, num_real - 1:num_real]  # see Engine._run

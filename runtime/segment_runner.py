@@ -1,21 +1,25 @@
 """One segmented graph (GraphKind.SEGMENT) bound to a request's SegmentKV (kv_manager/segments.py).
 
-The prompt segment's [N_prompt, D] inputs are bound once per request (when the SegmentKV changes), the
-response buffers [B, Hkv, P, D] once per buffer allocation (every 16 rows); each step moves only the new rows' slot
-addresses, like WindowRunner, and writes rope rows at the positions after the prompt and the response bias.
+The prompt segment's inputs are bound once per request (when the SegmentKV changes): [N_prompt, D] (symbolic
+length, the cpu layout) or the [1, 1, P_prompt, D] window ending at the prompt's end (static, the HTP layout). The
+response buffers ([B, Hkv, P, D] per (layer, K|V), or [B, 1, P, D] per tensor) are bound once per buffer
+allocation; each step moves only the new rows' slot addresses, like WindowRunner, and writes rope rows at the
+positions after the prompt and the bias. A quantized family's rope, bias and logits are converted at the boundary
+as WindowRunner does; its KV never is.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
 
-from staticlm.kv_manager.segments import SegmentKV, response_bias
+from staticlm.kv_manager.segments import SegmentKV, segment_bias
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role, TensorSpec
 from staticlm.runtime.family.manifest import GraphEntry
-from staticlm.runtime.family.segments import PROMPT_ROLES
+from staticlm.runtime.family.segments import PROMPT_ROLES, static_prompt_len
 
 from .ort_binding import BindingTable, IOBinding
 from .runner import FamilyContext
+from .window_runner import _graph_array
 
 
 def _kv_table(specs: tuple[TensorSpec, ...], roles: tuple[Role, Role], *, num_kv_heads: int) -> BindingTable:
@@ -36,17 +40,24 @@ class SegmentRunner:
         self._positions = np.zeros(self.input_ids.shape, np.int64)  # [B, AR] absolute positions of the new rows
         self.rope_cos = np.zeros(by_role[Role.ROPE_COS].shape, np.float32)  # [B, 1, AR, D]
         self.rope_sin = np.zeros(by_role[Role.ROPE_SIN].shape, np.float32)  # [B, 1, AR, D]
-        self.attention_bias = np.zeros(by_role[Role.ATTENTION_BIAS].shape, np.float32)  # [B, 1, AR, P + AR]
+        self.prompt_len = static_prompt_len(entry)  # None: bound at the prompt's own rows
+        # [B, 1, AR, P + AR], or [B, 1, AR, P_prompt + P + AR] with a static prompt window
+        self.attention_bias = np.zeros(by_role[Role.ATTENTION_BIAS].shape, np.float32)
         logits = next(s for s in entry.outputs if s.role == Role.LOGITS)
         self.logits = np.zeros(logits.shape, np.float32)  # [B, AR, V]
+        self._to_graph, self._from_graph = [], []  # (float host array, its TensorQuant, the graph's integer twin)
         for role, array in ((Role.INPUT_IDS, self.input_ids), (Role.ROPE_COS, self.rope_cos),
                             (Role.ROPE_SIN, self.rope_sin), (Role.ATTENTION_BIAS, self.attention_bias)):
-            self._binding.bind_input(by_role[role].name, array)
-        self._binding.bind_output(logits.name, self.logits)
+            self._binding.bind_input(by_role[role].name, _graph_array(by_role[role], array, quant=family.quant,
+                                                                      conversions=self._to_graph))
+        self._binding.bind_output(logits.name, _graph_array(logits, self.logits, quant=family.quant,
+                                                            conversions=self._from_graph))
         num_kv_heads = family.config.num_kv_heads
         self._prompt = _kv_table(entry.inputs, PROMPT_ROLES, num_kv_heads=num_kv_heads)  # [T], resized per request
-        self._buffer_names = [s.name for s in sorted((s for s in entry.inputs if s.role in KV_INPUT_ROLES),
-                                                     key=lambda s: (s.layer, s.role == Role.PAST_VALUE))]  # [G]
+        # in the ResponseCache's buffer order: (layer, K|V), or (layer, head, K|V) with one head per buffer
+        buffers = sorted((s for s in entry.inputs if s.role in KV_INPUT_ROLES),
+                         key=lambda s: (s.layer, s.kv_head or 0, s.role == Role.PAST_VALUE))
+        self._buffer_names = [s.name for s in buffers]
         self._kv_outputs = _kv_table(entry.outputs, KV_OUTPUT_ROLES, num_kv_heads=num_kv_heads)  # [T x B]
         self._bound_prompt: tuple[int, int, int] | None = None  # (the SegmentKV's serial, its prompt's buffer, rows)
         self._bound_buffers: tuple[int, int] | None = None  # (the SegmentKV's serial, its response buffer generation)
@@ -59,11 +70,16 @@ class SegmentRunner:
                              f"{responses.capacity}")
         np.add((segments.num_prompt_rows + responses.lengths)[:, None], self._row_offsets, out=self._positions)
         self._rope.fill(self._positions, cos_out=self.rope_cos, sin_out=self.rope_sin)
-        response_bias(lengths=responses.lengths, past_len=past_len, ar=ar, out=self.attention_bias)
+        segment_bias(num_prompt=segments.num_prompt_rows, prompt_len=self.prompt_len or 0, lengths=responses.lengths,
+                     past_len=past_len, ar=ar, out=self.attention_bias)
         self._bind_prompt(segments)
         self._bind_buffers(segments)
         self._binding.bind_outputs_at(self._kv_outputs, responses.slot_addresses(ar).ravel().tolist())
+        for host, tq, twin in self._to_graph:
+            tq.quantize(host, out=twin)
         self._binding.run()
+        for host, tq, twin in self._from_graph:
+            tq.dequantize(twin, out=host)
         return self.logits
 
     def _bind_prompt(self, segments: SegmentKV) -> None:
@@ -71,9 +87,12 @@ class SegmentRunner:
         key = (segments.serial, segments.prompt.buffer_generation, segments.num_prompt_rows)
         if key == self._bound_prompt:
             return
-        rows = segments.num_prompt_rows
-        table = [(name, dtype, [rows, shape[-1]]) for name, dtype, shape in self._prompt]  # [N_prompt, D]
-        self._binding.bind_inputs_at(table, segments.prompt_addresses().tolist())
+        if self.prompt_len is None:
+            rows = segments.num_prompt_rows
+            table = [(name, dtype, [rows, shape[-1]]) for name, dtype, shape in self._prompt]  # [N_prompt, D]
+        else:
+            rows, table = self.prompt_len, self._prompt  # [1, 1, P_prompt, D], left padding masked by the bias
+        self._binding.bind_inputs_at(table, segments.prompt_addresses(rows).tolist())
         self._bound_prompt = key
 
     def _bind_buffers(self, segments: SegmentKV) -> None:

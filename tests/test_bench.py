@@ -131,6 +131,16 @@ def test_only_runs_the_named_row_sets(tiny_family, tmp_path):
     result = run_bench(BenchOptions(model_dir=tiny_family, out_dir=tmp_path / "o", quick=True, only=("b",)),
                        benchmarks=(("a", row("a")), ("b", row("b"))), show=False)
     assert [r.key for r in result["rows"]] == ["b"]
+    # an opt-in row set (runahead: many multi-second prefills) runs only when named
+    sets = (("a", row("a")), ("runahead", row("runahead")))
+    result = run_bench(BenchOptions(model_dir=tiny_family, out_dir=tmp_path / "p", quick=True), benchmarks=sets,
+                       show=False)
+    assert [r.key for r in result["rows"]] == ["a"]
+    assert json.loads((tmp_path / "p" / "bench.json").read_text())["meta"]["skipped_rows"] == {
+        "runahead": "opt-in: --only runahead"}
+    result = run_bench(BenchOptions(model_dir=tiny_family, out_dir=tmp_path / "q", quick=True, only=("runahead",)),
+                       benchmarks=sets, show=False)
+    assert [r.key for r in result["rows"]] == ["runahead"]
     assert_one_line_error(staticlm("bench", "--model", tiny_family, "--only", "speed,nope", "--out", tmp_path / "x"),
                           "unknown row set nope for --only")
     assert not (tmp_path / "x").exists()

@@ -35,7 +35,8 @@ def _export(hf_dir: Path, out: Path, *, q4_1_source: bool = False, **quant) -> P
         grids = {n: _q4_1_grid(w) for n, w in model.weights.items() if n.endswith("proj.weight")}
         model = dataclasses.replace(model, weights={**model.weights, **{n: g.dequantize() for n, g in grids.items()}},
                                     grids=grids)
-    options = ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,))
+    # no batch sizes: the single graphs only (the segmented batched ones: tests/test_segment_htp.py)
+    options = ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,), batch_sizes=())
     export_quantized_family(model, out, options=options, quant=QuantOptions(calib_steps=24, **quant))
     return out
 
@@ -466,6 +467,30 @@ def test_compile_writes_one_shared_binary_for_the_family(tiny_q16, tmp_path):
     graphs = sorted(p.stem for p in directory.glob("*.onnx"))
     assert sorted(p.name[:-len("_ctx.onnx")] for p in out.glob("*_ctx.onnx")) == graphs
     assert len(list(out.glob("*.bin"))) == 1  # N graphs, one context binary: N + 1 files
+
+
+@pytest.mark.htp
+def test_compile_gives_each_layer_group_of_a_family_with_parts_its_own_context(tiny_q16, tmp_path, monkeypatch):
+    """`export --parts N` is what a model over one HTP context needs: each layer group's parts of every graph
+    compile into a context of their own (and a family over the limit compiles only those)."""
+    from staticlm.export.parts import add_parts
+    from staticlm.runtime import device
+    from staticlm.runtime.family.manifest import load_manifest
+
+    directory = _htp_copy(tiny_q16, tmp_path)
+    add_parts(directory, 2)
+    whole, *parts = device.context_groups(directory)
+    assert {f.name for f in whole} == {g.file for g in load_manifest(directory).graphs}
+    assert len(parts) == 2 and all(f.name.endswith(f".part{k}.onnx") for k, group in enumerate(parts) for f in group)
+    assert all(len(group) == len(whole) for group in parts)  # every graph, cut the same way
+    monkeypatch.setattr(device, "MAX_CONTEXT_WEIGHT_BYTES", 1)  # weights over one context: the parts alone
+    assert device.context_groups(directory) == tuple(parts)
+    proc = staticlm("compile", "--model", directory, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    contexts = sorted((directory / ".qnn_cache").glob("shared.*"))
+    compiled = sorted(tuple(sorted(p.name[:-len("_ctx.onnx")] for p in c.glob("*_ctx.onnx"))) for c in contexts)
+    assert compiled == sorted(tuple(sorted(f.stem for f in g)) for g in (whole, *parts))
+    assert all(len(list(c.glob("*.bin"))) == 1 for c in contexts)
 
 
 @pytest.mark.htp

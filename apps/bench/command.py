@@ -48,6 +48,9 @@ BENCHMARKS: tuple[tuple[str, Benchmark], ...] = (
     ("serve", bench_serve),
     ("runahead", bench_runahead),
 )
+# Row sets that run only when --only names them: KV-Runahead's search times many multi-second prefills (and exports
+# a family with parts once) to tune a feature that is off by default.
+OPT_IN = frozenset({"runahead"})
 MIN_TEXT_TOKENS = 64  # beyond the longest prompt or fill, so every slice of the text is full
 
 
@@ -116,6 +119,8 @@ def run_bench(options: BenchOptions, *, benchmarks: tuple[tuple[str, Benchmark],
             raise BenchError(f"unknown row set {', '.join(unknown)} for --only: choose from "
                              f"{', '.join(name for name, _bench in benchmarks)}")
         benchmarks = tuple((name, bench) for name, bench in benchmarks if name in options.only)
+    opted_out = [name for name, _bench in benchmarks if name in OPT_IN and name not in options.only]
+    benchmarks = tuple((name, bench) for name, bench in benchmarks if name not in opted_out)
     model_dir = resolve_model(options)
     max_context = _max_context(model_dir)
     contexts, prompt_len = resolve_sizes(options, max_context)
@@ -125,6 +130,8 @@ def run_bench(options: BenchOptions, *, benchmarks: tuple[tuple[str, Benchmark],
                        text_ids=text_ids(model_dir, max(max_context, prompt_len) + MIN_TEXT_TOKENS),
                        max_context=max_context, decode_steps=max(1, min(options.decode_steps, min(contexts) // 2)),
                        log=print if show else (lambda _: None))
+    for name in opted_out:
+        ctx.extra.setdefault("skipped_rows", {})[name] = f"opt-in: --only {name}"
     rows: list[Row] = []
     timings: dict[str, float] = {}
     for name, bench in benchmarks:

@@ -9,13 +9,22 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from staticlm.errors import InvalidOption
-from staticlm.runtime.device import DeviceOptions, compile_graph_contexts, compile_shared_context, family_graph_files
+from staticlm.runtime.device import (
+    DeviceOptions,
+    compile_graph_contexts,
+    compile_shared_context,
+    context_groups,
+    family_graph_files,
+)
 from staticlm.runtime.family.manifest import load_manifest
-from staticlm.runtime.qnn_context import EMULATOR
+from staticlm.runtime.qnn_context import EMULATOR, SHARED_PREFIX
 
 
-def _binaries_mb(directory: Path) -> float:
-    return sum(p.stat().st_size for p in directory.glob("*.bin")) / 1e6
+def _binaries_mb(directory: Path, *, per_graph: bool) -> float:
+    """The context binaries in the family's cache: per graph at its top, shared ones in their directories."""
+    if per_graph:
+        return sum(p.stat().st_size for p in directory.glob("*.bin")) / 1e6
+    return sum(p.stat().st_size for p in directory.glob(f"{SHARED_PREFIX}*/*.bin")) / 1e6
 
 
 def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: bool = False) -> Path:
@@ -28,7 +37,9 @@ def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: b
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=Console(stderr=True), disable=quiet) as progress:
-        what = "per-graph contexts" if per_graph else "one shared context"
+        num_groups = len(context_groups(model))
+        what = ("per-graph contexts" if per_graph else "one shared context" if num_groups == 1
+                else f"{num_groups} shared contexts (the layer groups' parts)")
         task = progress.add_task(f"compiling {what} (SoC {options.soc_model})", total=len(files))
 
         def done(f: Path) -> None:
@@ -37,8 +48,8 @@ def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: b
         compile_ = compile_graph_contexts if per_graph else compile_shared_context
         out = compile_(model, options=options, on_graph=done)
     if not quiet:
-        print(f"compiled {len(files)} graphs of {model} into {out} ({_binaries_mb(out):.1f} MB of context "
-              f"binaries) in {time.perf_counter() - t0:.1f} s")
+        print(f"compiled {len(files)} graphs of {model} into {out} ({_binaries_mb(out, per_graph=per_graph):.1f} MB "
+              f"of context binaries) in {time.perf_counter() - t0:.1f} s")
         if not per_graph and EMULATOR:
             print("note: the x86_64 emulator cannot load a multi-graph context; it is for the device. "
                   "Use --per-graph for contexts the emulator loads.")

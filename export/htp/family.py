@@ -52,6 +52,7 @@ from .qdq import (
     strip_boundary,
     through_data_movement,
 )
+from .segment_export import export_segment_graphs, htp_segment_shapes
 from .template import specialize, template_entry
 
 CALIB_NEW_TOKENS = 24  # greedy tokens per calibration prompt: decode steps at growing lengths
@@ -195,17 +196,21 @@ def _gptq_overrides(float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant, co
 def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq: FamilyQuant,
                         quant: QuantOptions, config, shared: _SharedInitializers,
                         rounded: dict[str, list[dict]] | None = None,
-                        grids: ProjectionGrids | None = None) -> _Template:
+                        grids: ProjectionGrids | None = None, entry: GraphEntry | None = None, feeds=None,
+                        pinned: dict | None = None) -> _Template:
     """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps; grids: the
-    projections that keep the source's grid (none when not given)."""
-    entry = template_entry(fm.graphs)
-    pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
+    projections that keep the source's grid (none when not given). entry, feeds, pinned: another template (the
+    segmented graphs': segment_export.py), its step feeds and its pinned parameters."""
+    entry = entry or template_entry(fm.graphs)
+    if pinned is None:
+        pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
+    reader = trace_reader(feeds, steps) if feeds is not None else _step_reader(fm, steps, fq=fq, config=config)
     float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
     grids = ProjectionGrids(config, {}) if grids is None else grids
     grid = grid_overrides(grids, float_proto)
     qpath = work / "q" / entry.file
     qpath.parent.mkdir()
-    ranges = quantize_graph(float_dir / entry.file, qpath, reader=_step_reader(fm, steps, fq=fq, config=config),
+    ranges = quantize_graph(float_dir / entry.file, qpath, reader=reader,
                             quant=quant.quant, pinned=pinned,
                             weight_overrides={**weight_overrides(quant.quant, config), **grid, **(rounded or {})})
     proto = signed_matmul_operands(strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned))
@@ -246,6 +251,7 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
                             prompts: list[str] | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
     """Write the quantized family into out_dir atomically; returns its manifest."""
     config, out_dir = model.config, Path(out_dir)
+    segment_shapes = htp_segment_shapes(options, local_layers=bool(config.local_layers))
     options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see graph.py
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
@@ -300,6 +306,11 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
         if quant.quant is not Quant.KV_ONLY:
             entries.append(_sink_graph(sink, fm, float_dir, final, dtypes=io_dtypes(fq), config=config))
             step("sink graph")
+            entries += export_segment_graphs(
+                float_dir, final, fm, shapes=segment_shapes, fq=fq, dtypes=io_dtypes(fq), config=config,
+                on_step=step, quantize=lambda entry, feeds, pinned: _quantized_template(
+                    float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant, config=config,
+                    shared=shared, rounded=rounded, grids=grids, entry=entry, feeds=feeds, pinned=pinned))
             weights_bytes, weights_sha = writer.close()
         shutil.copyfile(float_dir / TOKENIZER_FILE, final / TOKENIZER_FILE)
         manifest = Manifest(
@@ -315,7 +326,8 @@ def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options:
 
 def num_quant_steps(options: ExportOptions, num_prompts: int, quant: Quant) -> int:
     # float family, one per prompt trace, GPTQ and the sink graph (not for KV only), the template, each graph
-    # (the HTP family has no batched graphs), manifest
+    # (the HTP family's batched graphs are segmented: their template and each of them), manifest
     quantized = quant is not Quant.KV_ONLY
     num_graphs = len(dataclasses.replace(options, batch_sizes=()).shapes()) + quantized
-    return 1 + num_prompts + quantized + 1 + num_graphs + 1
+    segments = len(htp_segment_shapes(options, local_layers=False)) if quantized else 0
+    return 1 + num_prompts + quantized + 1 + num_graphs + segments + bool(segments) + 1

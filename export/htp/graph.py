@@ -12,7 +12,7 @@ Differences from export/graph/llama.py's LlamaGraph, each for a reason:
   uint16 one at 8 bits: qdq.signed_matmul_operands).
 - RMSNorm is SimplifiedLayerNormalization (QNN's RmsNorm): a quantized x^2 / mean / sqrt chain loses
   the variance's precision in 16 bits when the hidden state has outliers.
-Batch 1 only (the HTP family exports no batched graphs).
+Batch 1 only; the batched graphs are segmented (segment_graph.py: the prompt K/V shared by every sequence).
 """
 from __future__ import annotations
 
@@ -105,6 +105,10 @@ class HTPLlamaGraph(LlamaGraph):
         # (which does not know SimplifiedLayerNormalization).
         self.g.opset = HTP_OPSET
 
+    def io(self):
+        """The graph's inputs and outputs (segment_graph.py's batched graphs have their own)."""
+        return graph_io(self.c, self.s)
+
     def rms_norm(self, x: str, weight: str) -> str:
         return self._norm(x, weight, shape=[self.s.batch, self.s.ar, self.c.hidden_size])
 
@@ -128,7 +132,7 @@ class HTPLlamaGraph(LlamaGraph):
         g, c, s = self.g, self.c, self.s
         self._norm_outputs: list[tuple[str, list[int]]] = []  # each with its shape
         self._block_sums: dict[str, str] = {}  # input -> its block sums
-        inputs, outputs = graph_io(c, s)
+        inputs, outputs = self.io()
         head = g.weight("lm_head_t")  # [hidden, V]
         h = self.scale_embedding(g.op("Gather", g.weight("embed"), "input_ids", axis=0))
         for layer in range(c.num_layers):

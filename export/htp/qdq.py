@@ -36,8 +36,8 @@ def boundary_params(specs: tuple[TensorSpec, ...], fq: FamilyQuant, *, num_kv_he
     """Graph I/O name -> the family parameters it must carry."""
     out = {}
     for s in specs:
-        if s.role in (*KV_INPUT_ROLES, *KV_OUTPUT_ROLES):
-            is_value = s.role in (Role.PAST_VALUE, Role.NEW_VALUE)
+        if s.role in (*KV_INPUT_ROLES, *KV_OUTPUT_ROLES, Role.PROMPT_KEY, Role.PROMPT_VALUE):  # prompt: segments
+            is_value = s.role in (Role.PAST_VALUE, Role.NEW_VALUE, Role.PROMPT_VALUE)
             out[s.name] = fq.kv[kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=is_value,
                                                 num_kv_heads=num_kv_heads)]
         elif s.role in (Role.ROPE_COS, Role.ROPE_SIN, Role.ROPE_COS_LOCAL, Role.ROPE_SIN_LOCAL) and fq.rope is not None:

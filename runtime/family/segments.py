@@ -17,7 +17,7 @@ new rows.
 from __future__ import annotations
 
 from .config import ModelConfig
-from .contract import GraphShape, Role, TensorSpec, buffer_name, kv_name
+from .contract import GraphShape, IODtypes, Role, TensorSpec, buffer_name, kv_name
 
 PROMPT_ROLES = (Role.PROMPT_KEY, Role.PROMPT_VALUE)
 
@@ -44,3 +44,45 @@ def segment_graph_io(config: ModelConfig, shape: GraphShape) -> tuple[tuple[Tens
                 outputs += [TensorSpec(kv_name(new, layer, h, seq), new, "float32", (1, 1, ar, d), layer, h, seq)
                             for seq in range(b)]  # [1, 1, AR, D]
     return tuple(inputs), tuple(outputs)
+
+
+def static_segment_graph_io(config: ModelConfig, shape: GraphShape, *, prompt_len: int, dtypes: IODtypes | None = None
+                            ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The HTP target's segmented graphs: static shapes, one tensor per (layer, KV head, K|V) as in graph_io.
+
+    - prompt segment: per tensor one [1, 1, P_prompt, D] window over the prefilling cache (left-padded, like the
+      single-sequence graphs' past windows, whose quantization parameters it shares: bound in place);
+    - response segment: per tensor one [B, 1, P, D] buffer (shape.past_len = P, a rung of 16-row multiples): the
+      ResponseCache's whole buffer of that tensor, valid rows first in each sequence;
+    - new rows: per (tensor, sequence) one [1, 1, AR, D] output, bound at the sequence's slot inside the buffer;
+    - one attention bias [B, 1, AR, P_prompt + P + AR] over the three (the prompt's padding masked too).
+    """
+    dt = dtypes or IODtypes()
+    b, ar, p, d = shape.batch, shape.ar, shape.past_len, config.head_dim
+    if b < 2:
+        raise ValueError(f"a segmented graph is batched, got batch {b}")
+    if config.local_layers:
+        raise ValueError("segmented graphs do not model sliding-window layers")
+    inputs = [
+        TensorSpec("input_ids", Role.INPUT_IDS, "int64", (b, ar)),
+        TensorSpec("rope_cos", Role.ROPE_COS, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
+        TensorSpec("rope_sin", Role.ROPE_SIN, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
+        TensorSpec("attention_bias", Role.ATTENTION_BIAS, dt.mask, (b, 1, ar, prompt_len + p + ar)),
+    ]
+    outputs = [TensorSpec("logits", Role.LOGITS, dt.logits, (b, ar, config.vocab_size))]  # [B, AR, V]
+    for layer in range(config.num_layers):
+        for h in range(config.num_kv_heads):
+            for past, new, prompt in ((Role.PAST_KEY, Role.NEW_KEY, Role.PROMPT_KEY),
+                                      (Role.PAST_VALUE, Role.NEW_VALUE, Role.PROMPT_VALUE)):
+                inputs.append(TensorSpec(kv_name(prompt, layer, h), prompt, dt.kv, (1, 1, prompt_len, d), layer, h))
+                inputs.append(TensorSpec(kv_name(past, layer, h), past, dt.kv, (b, 1, p, d), layer, h))
+                outputs += [TensorSpec(kv_name(new, layer, h, seq), new, dt.kv, (1, 1, ar, d), layer, h, seq)
+                            for seq in range(b)]  # [1, 1, AR, D]
+    return tuple(inputs), tuple(outputs)
+
+
+def static_prompt_len(entry) -> int | None:
+    """A segmented graph entry's prompt rows when they are static (the HTP layout's [1, 1, P_prompt, D] inputs),
+    None when symbolic (the cpu layout's [P_prompt, D])."""
+    spec = next(s for s in entry.inputs if s.role is Role.PROMPT_KEY)
+    return spec.shape[2] if len(spec.shape) == 4 else None
