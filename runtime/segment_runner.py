@@ -19,7 +19,7 @@ from staticlm.runtime.family.segments import PROMPT_ROLES, static_prompt_len
 
 from .ort_binding import BindingTable, IOBinding
 from .runner import FamilyContext
-from .window_runner import _graph_array
+from .window_runner import _graph_array, run_converted
 
 
 def _kv_table(specs: tuple[TensorSpec, ...], roles: tuple[Role, Role], *, num_kv_heads: int) -> BindingTable:
@@ -75,11 +75,7 @@ class SegmentRunner:
         self._bind_prompt(segments)
         self._bind_buffers(segments)
         self._binding.bind_outputs_at(self._kv_outputs, responses.slot_addresses(ar).ravel().tolist())
-        for host, tq, twin in self._to_graph:
-            tq.quantize(host, out=twin)
-        self._binding.run()
-        for host, tq, twin in self._from_graph:
-            tq.dequantize(twin, out=host)
+        run_converted(self._binding, to_graph=self._to_graph, from_graph=self._from_graph)
         return self.logits
 
     def _bind_prompt(self, segments: SegmentKV) -> None:

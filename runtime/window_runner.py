@@ -45,6 +45,15 @@ def _graph_array(spec: TensorSpec, host: np.ndarray, *, quant: FamilyQuant | Non
     return twin
 
 
+def run_converted(binding: IOBinding, *, to_graph: list, from_graph: list) -> None:
+    """One run: the float host inputs into their integer twins first (_graph_array), the outputs back after."""
+    for host, tq, twin in to_graph:
+        tq.quantize(host, out=twin)
+    binding.run()
+    for host, tq, twin in from_graph:
+        tq.dequantize(twin, out=host)
+
+
 class WindowRunner:
     """A quantized family's runner still writes float rope/mask and reads float logits; it converts them at
     the boundary (a few thousand elements per step; KV is never converted)."""
@@ -94,11 +103,7 @@ class WindowRunner:
             attention_bias(lengths=kv.local_lengths, past_len=self.local_past_len, ar=ar, window=self._window,
                            out=self.attention_bias_local)
         self._bind_kv(kv.window_addresses(past_len), kv.slot_addresses(ar))
-        for host, tq, twin in self._to_graph:
-            tq.quantize(host, out=twin)
-        self._binding.run()
-        for host, tq, twin in self._from_graph:
-            tq.dequantize(twin, out=host)
+        run_converted(self._binding, to_graph=self._to_graph, from_graph=self._from_graph)
         return self.logits
 
     def _bind_local(self, by_role: dict, family: FamilyContext) -> None:
