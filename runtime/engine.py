@@ -13,10 +13,11 @@ from staticlm.runtime.family.contract import graph_io, local_tensors, num_kv_ten
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, load_manifest
 from staticlm.runtime.family.weights import SharedWeights
 
-from .device import Device, DeviceOptions, create_session, resolve_device
+from .device import Device, DeviceOptions, PackedSource, create_session, resolve_device
 from .ladder import ladder_step, rung_past_len
 from .layout import LAYOUTS
 from .parts import chain_runner, part_entries
+from .prepacked import store_dir
 from .rope import RopeTable
 from .runahead import Runahead
 from .runner import FamilyContext, Runner
@@ -109,7 +110,11 @@ class Engine:
         self._family = FamilyContext(config=cfg, rope=rope, quant=self.quant,
                                      local_rope=RopeTable(cfg, local=True) if cfg.local_layers else None)
         self._runners: dict[str, Runner] = {}
-        self._sessions: dict[str, object] = {}  # graph file -> its ORT session
+        # graph file -> its ORT session, shared with the engines made from this one (batched rows, the draft)
+        self._sessions: dict[Path, object] = weights_from._sessions if weights_from is not None else {}
+        # A `--target cpu` family's sessions map one prepacked copy of its weights (prepacked.py)
+        self._packed_dir = (store_dir(self.model_dir, self.manifest.weights_sha256)
+                            if self.device is Device.CPU and self.manifest.target == "cpu" else None)
         self._ladder_entries: dict[str, GraphEntry] = {}
         # A family whose graphs take any past length (the cpu target) decodes on BMC's ladder, r rows a rung.
         self._ladder_step = (ladder_step(max_context=self.max_context, override=options.bmc_r)
@@ -135,15 +140,21 @@ class Engine:
     def _open_runner(self, entry: GraphEntry) -> Runner:
         if entry.name not in self._runners:
             # Entries may share a file (a symbolic past length serves every rung): one session per file.
-            session = self._sessions.get(entry.file) or create_session(
-                self.model_dir / entry.file, device=self.device, options=self.options.device,
+            path = self.model_dir / entry.file
+            session = self._sessions.get(path) or create_session(
+                path, device=self.device, options=self.options.device,
                 cache_dir=self.model_dir / ".qnn_cache", shared_weights=self._shared_weights,
                 # MatMulNBits without its prepacked weights dequantizes every weight on every step
                 prepack=self.layout.prepacks or self._ladder_step is not None
-                or (self.options.prepack and entry.shape.batch * entry.shape.ar > 1))
-            self._sessions[entry.file] = session
+                or (self.options.prepack and entry.shape.batch * entry.shape.ar > 1),
+                packed=self.packed_source(entry))
+            self._sessions[path] = session
             self._runners[entry.name] = self.layout.runner(session, entry, family=self._family)
         return self._runners[entry.name]
+
+    def packed_source(self, entry: GraphEntry) -> PackedSource | None:
+        """Where entry's graph is loaded from with the family's one prepacked weight copy (None: as it is)."""
+        return None if self._packed_dir is None else PackedSource(self._packed_dir, entry.sha256)
 
     def warm_up(self, *, verify: bool = True) -> None:
         """Open and run the first rung's graphs once now, so no answer pays for loading or first-run setup; the

@@ -27,6 +27,9 @@ class GridMinima(str, Enum):
     FOLDED = "folded"
 
 
+KV_DTYPES = ("float16", "float32")
+
+
 class WeightBits(IntEnum):
     INT4 = 4
     INT8 = 8
@@ -59,6 +62,9 @@ class CpuOptions:
     # (`down` the most).
     corrected: frozenset[str] = frozenset({"qkv", "o", "gate_up", "down"})
     attention: CpuAttention = CpuAttention.GQA
+    # The in-place KV buffers' element type (GroupQueryAttention computes in it): float16 halves KV memory and
+    # the bytes a step reads; float32 is the reference
+    kv_dtype: str = "float32"
     grid_minima: GridMinima = GridMinima.EXACT  # layer linears only; the head keeps its minima exact
     # `--calib`: the float projections GPTQ-rounded on recorded calibration traces (export/gptq/), kept as grids
     # (no correction rows: GPTQ already carries each block's error onto the rest); None: nearest rounding
@@ -84,5 +90,5 @@ class CpuOptions:
                 "corrected": sorted(self.corrected) if self.block_correction else [],
                 "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
                 "accuracy_level": self.accuracy_level, "attention": self.attention.value,
-                "grid_minima": self.grid_minima.value,
+                "grid_minima": self.grid_minima.value, "kv_dtype": self.kv_dtype,
                 **({"gptq": self.gptq.to_dict(), "calib_steps": self.calib_steps} if self.gptq else {})}
