@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow, Strategy, make_kv_cache
-from staticlm.runtime.family.contract import graph_io, local_tensors, num_kv_tensors
+from staticlm.runtime.family.contract import Role, graph_io, in_place_graph_io, local_tensors, num_kv_tensors
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, load_manifest
 from staticlm.runtime.family.weights import SharedWeights
 
 from .device import Device, DeviceOptions, PackedSource, create_session, resolve_device
 from .ladder import ladder_step, rung_past_len
+from .memory import check_memory
 from .layout import LAYOUTS
 from .parts import chain_runner, part_entries
 from .prepacked import store_dir
@@ -34,6 +35,22 @@ class EngineOptions:
     prepack: bool = False  # multi-row graphs keep a repacked weight copy each: faster batches/verify, more memory
     run_parts: bool = False  # run every graph as its chain of layer-group parts (a family exported with --parts N)
     prefill_workers: int = 1  # KV-Runahead: workers that prefill a long prompt's chunks in parallel (runahead.py)
+    # Rows of a prompt chunk where the family's graph takes any number (one in-place file); None: the family's
+    # exported prefill length. Each chunk reads every weight once, so long prompts want long chunks.
+    prefill_rows: int | None = None
+
+
+def _with_rows(chunks: tuple[GraphEntry, ...], rows: int | None, *, config, kv_dtype: str) -> tuple[GraphEntry, ...]:
+    """The prompt-chunk entries at `rows` rows, where their graph takes any number (a logits_index input)."""
+    if rows is None or not chunks or not any(s.role is Role.LOGITS_INDEX for s in chunks[0].inputs):
+        return chunks
+    out = []
+    for entry in chunks:
+        shape = dataclasses.replace(entry.shape, ar=rows)
+        inputs, outputs = in_place_graph_io(config, shape, last_logits_only=True, kv_dtype=kv_dtype)
+        out.append(dataclasses.replace(entry, name=f"{entry.name}@ar{rows}", shape=shape, inputs=inputs,
+                                       outputs=outputs))
+    return tuple(out)
 
 
 @dataclass
@@ -88,8 +105,10 @@ class Engine:
             raise ValueError(f"{self.model_dir} has no decode graph for batch {batch}: export it with "
                              f"--batch-sizes {batch}" if batch > 1 else f"{self.model_dir} has no decode graph")
         self.max_context = self._decode[-1].shape.context
-        self.prefill_len = max((g.shape.ar for g in multi), default=1)
-        self._prefill = tuple(g for g in multi if g.shape.ar == self.prefill_len)  # prompt chunks
+        longest = max((g.shape.ar for g in multi), default=1)
+        self._prefill = _with_rows(tuple(g for g in multi if g.shape.ar == longest), options.prefill_rows,
+                                   config=cfg, kv_dtype=self.manifest.kv_dtype)  # prompt chunks
+        self.prefill_len = max((g.shape.ar for g in self._prefill), default=1)
         # Every AR=N graph that scores all its rows can verify drafts (and score a text); by AR, each a ladder
         # sorted by past length. An in-place family's prompt graph scores its last row only.
         multi = tuple(g for g in multi if g.logit_rows == g.shape.ar)
@@ -106,6 +125,9 @@ class Engine:
                    batch=batch, pad_values=self.quant.kv_pad_values if self.quant else None,
                    heads_per_buffer=self.layout.heads_per_buffer(cfg)),
             self.kv_strategy, bmc_r=options.bmc_r, local=local_tensors(cfg), window=cfg.local_window)
+        if weights_from is None:  # the engines made from this one share its weights and hold small caches
+            check_memory(self.model_dir, weights_bytes=self.manifest.weights_bytes,
+                         kv_bytes=self.kv.stats.reserved_bytes)
         rope = RopeTable(cfg)
         self._family = FamilyContext(config=cfg, rope=rope, quant=self.quant,
                                      local_rope=RopeTable(cfg, local=True) if cfg.local_layers else None)

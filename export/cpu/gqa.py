@@ -53,7 +53,9 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     # A local layer: its own RoPE caches and row counts (its buffers hold its newest rows only), and a window
     local = c.is_local(layer)
     suffix = LOCAL if local else ""
-    rope_cos, rope_sin = (g.weight(t + suffix + rope_suffix(graph.options.kv_dtype)) for t in (ROPE_COS, ROPE_SIN))
+    # the op's own RoPE computes in its cache's type; RotaryEmbedding before it (op_rotates) in float32
+    tables = suffix + (rope_suffix(graph.options.kv_dtype) if op_rotates(c) else "")
+    rope_cos, rope_sin = g.weight(ROPE_COS + tables), g.weight(ROPE_SIN + tables)
     window = {"local_window_size": c.local_window} if local else {}  # the keys a query sees, itself included
     qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
     if c.attention_bias:
