@@ -15,8 +15,8 @@ from staticlm.runtime.family.weights import SharedWeights
 
 from .device import Device, DeviceOptions, PackedSource, create_session, resolve_device
 from .ladder import ladder_step, rung_past_len
-from .memory import check_memory
 from .layout import LAYOUTS
+from .memory import check_memory
 from .parts import chain_runner, part_entries
 from .prepacked import store_dir
 from .rope import RopeTable
