@@ -72,6 +72,9 @@ class _Store:
         self.directory = directory
         self.index_path = directory / INDEX_FILE
         self.index: dict[str, list[int]] = json.loads(self.index_path.read_text()) if self.index_path.exists() else {}
+        if max((o + n for o, n in self.index.values()), default=0) > packed_bytes(directory):  # cut short: anew
+            self.index = {}
+            (directory / PACKED_FILE).unlink(missing_ok=True)
         self.file = open(directory / PACKED_FILE, "ab")
 
     def put(self, data: memoryview) -> tuple[int, int]:
@@ -141,8 +144,14 @@ def _optimize(graph: Path, out_dir: Path) -> None:
 
 
 def _is_current(out: Path, source_sha256: str) -> bool:
-    stamp = out.with_suffix(".source")  # the source graph's hash, written once the copy is complete
-    return out.is_file() and stamp.is_file() and stamp.read_text() == source_sha256
+    """Whether out is complete for this source: its stamp (written last) names the source graph's hash and the
+    store's size then, which the store still has (a store cut short or removed is rebuilt)."""
+    stamp = out.with_suffix(".source")
+    try:
+        sha, size = stamp.read_text().split()
+        return sha == source_sha256 and out.is_file() and packed_bytes(out.parent) >= int(size)
+    except (OSError, ValueError):
+        return False
 
 
 def prepared_graph(graph: Path, *, source_sha256: str, directory: Path) -> Path:
@@ -154,7 +163,7 @@ def prepared_graph(graph: Path, *, source_sha256: str, directory: Path) -> Path:
         if not _is_current(out, source_sha256):
             subprocess.run([sys.executable, "-m", __name__, str(graph), str(directory)], check=True,
                            stdout=subprocess.DEVNULL)
-            out.with_suffix(".source").write_text(source_sha256)
+            out.with_suffix(".source").write_text(f"{source_sha256} {packed_bytes(directory)}")
     return out
 
 
