@@ -20,7 +20,7 @@ from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
 from staticlm.errors import InvalidOption
 from staticlm.export.cpu.family import export_cpu_family, num_cpu_steps
 from staticlm.export.cpu.graph import CpuAttention, CpuOptions, WeightBits
-from staticlm.export.cpu.options import KV_DTYPES, GridMinima
+from staticlm.export.cpu.options import KV_DTYPES, GridMinima, default_kv_dtype
 from staticlm.export.draft import truncate_layers
 from staticlm.export.family import (
     DEFAULT_BATCH_SIZES,
@@ -106,7 +106,7 @@ def parse_cpu_options(*, weight_bits: int | None, attention: str | None, calib: 
         minima = GridMinima((grid_minima or GridMinima.EXACT.value).lower())
     except ValueError:
         raise InvalidOption(f"--grid-minima takes exact or folded, got {grid_minima!r}") from None
-    kv = (kv_dtype or CpuOptions.kv_dtype).lower()
+    kv = (kv_dtype or default_kv_dtype()).lower()
     if kv not in KV_DTYPES:
         raise InvalidOption(f"--kv-dtype takes {' or '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if kv_dtype is not None and kind is not CpuAttention.GQA:

@@ -87,7 +87,7 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
             special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
-            kv_dtype=cpu.kv_dtype if cpu.attention is CpuAttention.GQA else "float32",
+            kv_dtype=cpu.kv_dtype,
             extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True,
                    **({"source_grids": model.grid_summary()} if model.grid_summary() else {}),
                    **({"weight_rounding": rounding} if rounding else {})})
