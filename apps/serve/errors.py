@@ -23,7 +23,14 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def response(self):
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
     def headers(self) -> dict[str, str]:
+        if self.status == 408:
+            return {"Connection": "close"}  # the rest of a late body is not read: the connection cannot go on
         if self.status == 429:
             return {"Retry-After": str(RETRY_AFTER_S)}
         if self.status == 401:

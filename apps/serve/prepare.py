@@ -11,7 +11,7 @@ from staticlm.runtime.text_stream import GenerationParams
 
 from .errors import APIError, bad_value
 from .prompt import chat_prompt
-from .schemas import ChatRequest, CompletionRequest, SamplingFields
+from .schemas import ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from .state import ServeState
 
 
@@ -34,14 +34,28 @@ def check_model(state: ServeState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _params(state: ServeState, req: SamplingFields, *, max_new: int) -> GenerationParams:
+def _logit_bias(state: ServeState, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    vocab = state.model.manifest.model.vocab_size
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit() or not 0 <= int(key) < vocab:
+            raise bad_value("logit_bias", f"logit_bias keys must be token ids in 0..{vocab - 1}, got {key!r}")
+        if not -100 <= value <= 100:
+            raise bad_value("logit_bias", f"logit_bias values must be in [-100, 100], got {value} for {key}")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def _params(state: ServeState, req: SamplingFields, *, max_new: int, num_prompt_tokens: int) -> GenerationParams:
     o = state.options
     pick = lambda value, default: default if value is None else value
     try:
         sampling = SamplingParams(temperature=pick(req.temperature, o.temperature), top_k=pick(req.top_k, o.top_k),
                                   top_p=pick(req.top_p, o.top_p), min_p=pick(req.min_p, o.min_p),
                                   repetition_penalty=pick(req.repetition_penalty, o.repetition_penalty),
-                                  seed=pick(req.seed, o.seed))
+                                  seed=pick(req.seed, o.seed), presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0,
+                                  logit_bias=_logit_bias(state, req.logit_bias), num_prompt_tokens=num_prompt_tokens)
     except ValueError as e:
         raise bad_value("sampling", str(e)) from None
     stop = req.stop_strings() if req.stop is not None else o.stop
@@ -58,10 +72,28 @@ def _too_long(state: ServeState, n: int) -> ContextFull:
                        "(the answer needs at least one more)")
 
 
+def check_choices(state: ServeState, n: int) -> None:
+    if n > state.batcher.num_rows:
+        raise bad_value("n", f"n={n} asks for more choices than this server's {state.batcher.num_rows} batch rows")
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What a text-only model cannot take, and tool answers that name no call, are 400s naming the part."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.type != "text":
+                where = f"messages[{i}].content[{j}]"
+                raise bad_value(where, f"{where} is a part of type {part.type!r}; this model reads text only")
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_value(f"messages[{i}].tool_call_id", f"messages[{i}] is a tool message without tool_call_id")
+
+
 def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
     check_model(state, req.model)
     if not req.messages:
         raise bad_value("messages", "messages must not be empty")
+    check_messages(req.messages)
+    check_choices(state, req.n)
     fmt = state.model.format
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice or ("auto" if tools else "none")
@@ -95,13 +127,15 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
         else:
             constraint = state.grammars.json_schema({"type": "object"})
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids))),
+    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids)),
+                                                   num_prompt_tokens=len(ids)),
                     num_choices=req.n, num_logprobs=num_logprobs, constraint=constraint, tool_names=names,
                     stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
 def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
     check_model(state, req.model)
+    check_choices(state, req.n)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
@@ -121,7 +155,8 @@ def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
         if state.options.overflow is not Overflow.SLIDE:
             raise _too_long(state, len(ids))
         ids = ids[len(ids) - (state.max_context - min(limit, state.max_context // 4)):]  # keep the end
-    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids))),
+    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids)),
+                                                   num_prompt_tokens=len(ids)),
                     num_choices=req.n, num_logprobs=req.logprobs, constraint=None, tool_names=None,
                     stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                     prompt_text=text if req.echo else "")

@@ -11,7 +11,7 @@ from staticlm.runtime.options import RunOptions
 
 from .grammar import Grammars
 from .metrics import ServeMetrics
-from .options import ServeOptions
+from .options import ServeOptions, default_max_body_bytes
 from .worker import EngineWorker
 
 
@@ -43,6 +43,10 @@ class ServeState:
     @property
     def max_context(self) -> int:
         return self.batcher.max_context
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.serve.max_body_bytes or default_max_body_bytes(self.max_context)
 
 
 __all__ = ["ServeState"]
