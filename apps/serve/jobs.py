@@ -22,7 +22,7 @@ from .formats import (
 )
 from .prepare import Prepared
 from .state import ServeState
-from .tools import parse_tool_calls
+from .tool_calls import parse_tool_calls
 from .worker import EventQueue
 
 DISCONNECT_POLL_S = 0.5
