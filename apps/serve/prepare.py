@@ -11,6 +11,7 @@ from staticlm.runtime.text_stream import GenerationParams
 
 from .errors import APIError, bad_value
 from .prompt import chat_prompt
+from .reasoning import CLOSE, BudgetConstraints, ReasoningPlan, prompt_opens_thinking, soft_switch, template_reasons
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from .state import ServeState
 
@@ -26,6 +27,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     prompt_text: str = ""  # completions' echo
+    reasoning: ReasoningPlan | None = None  # a reasoning model's answers: how to read their thoughts
 
 
 def check_model(state: ServeState, model: str | None) -> None:
@@ -88,6 +90,48 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise bad_value(f"messages[{i}].tool_call_id", f"messages[{i}] is a tool message without tool_call_id")
 
 
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_kwargs(state: ServeState, req: ChatRequest) -> tuple[dict, int]:
+    """The chat template's extra variables (thinking off by the budget or the soft switch unless the request
+    says otherwise), and the reasoning budget (-1: none)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = [k for k in kwargs if k in RESERVED_TEMPLATE_VARIABLES]
+    if clash:
+        raise bad_value("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(clash)}")
+    budget = state.serve.reasoning_budget
+    if req.reasoning_budget is not None:
+        if req.reasoning_budget < -1:
+            raise bad_value("reasoning_budget", "reasoning_budget must be -1 (no limit), 0 (thinking off) or a "
+                            f"number of tokens, got {req.reasoning_budget}")
+        budget = req.reasoning_budget
+    users = [m for m in req.messages if m.role == "user"]
+    switch = soft_switch(users[-1].text()) if users else None
+    if budget == 0:
+        kwargs["enable_thinking"] = False
+    elif switch is not None:
+        kwargs.setdefault("enable_thinking", switch)
+    return kwargs, budget
+
+
+def _reasoning(state: ServeState, ids: list[int], *, budget: int, thinking_off: bool,
+               constraint: Any) -> tuple[ReasoningPlan | None, Any]:
+    """How to read the answers of a model whose template thinks, and the constraint that keeps its budget (and
+    applies a grammar only after its thoughts)."""
+    fmt = state.model.format
+    if not template_reasons(fmt.chat_template):
+        return None, constraint
+    tok = fmt.tokenizer
+    started = not thinking_off and prompt_opens_thinking(tok.decode(ids[-16:]))
+    plan = ReasoningPlan(split=state.serve.reasoning_format != "none", started=started)
+    limited = budget > 0 and not thinking_off
+    if (limited and constraint is None) or (started and constraint is not None):
+        constraint = BudgetConstraints(budget=budget if limited else None, tokenizer=tok, started=started,
+                                       close_ids=tok.encode(CLOSE, add_special_tokens=False), inner=constraint)
+    return plan, constraint
+
+
 def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
     check_model(state, req.model)
     if not req.messages:
@@ -101,6 +145,9 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
         raise bad_value("tool_choice", "tool_choice needs tools")
     rendered = tools if choice != "none" else None
     messages, kwargs = chat_prompt(fmt, req.messages, tools=rendered, system_prompt=state.options.system_prompt_or_none)
+    template_kwargs, budget = _template_kwargs(state, req)
+    if template_kwargs:
+        kwargs["template_kwargs"] = template_kwargs
     ids = fmt.prompt_ids(messages, **kwargs)
     limit = _limit(state, req.limit())
     if len(ids) >= state.max_context:
@@ -126,11 +173,14 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
             constraint = state.grammars.json_schema(fmt_.json_schema.schema_)
         else:
             constraint = state.grammars.json_schema({"type": "object"})
+    plan, constraint = _reasoning(state, ids, budget=budget, constraint=constraint,
+                                  thinking_off=template_kwargs.get("enable_thinking") is False)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids)),
                                                    num_prompt_tokens=len(ids)),
                     num_choices=req.n, num_logprobs=num_logprobs, constraint=constraint, tool_names=names,
-                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    reasoning=plan)
 
 
 def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
