@@ -65,7 +65,7 @@ class ReasoningStream:
     def __init__(self, *, started: bool) -> None:
         self._state = "thinking" if started else "start"
         self._held = ""
-        self._lead = True  # strip the whitespace right after a tag
+        self._lead = started  # strip the whitespace right after a tag (an answer without one is kept whole)
 
     def push(self, text: str) -> tuple[str, str]:
         thoughts, answer = [], []
@@ -73,13 +73,13 @@ class ReasoningStream:
         while held:
             if self._state == "start":
                 stripped = held.lstrip()
-                if OPEN.startswith(stripped):  # "", "<", "<th", ... : not yet known
+                if OPEN.startswith(stripped) and stripped != OPEN:  # "", "<", "<th", ...: not yet known
                     self._held = held
                     break
                 if stripped.startswith(OPEN):
                     self._state, held, self._lead = "thinking", stripped[len(OPEN):], True
                     continue
-                self._state = "answer"
+                self._state, self._lead = "answer", False
             if self._state == "answer":
                 answer.append(self._lstrip(held))
                 break
@@ -104,7 +104,7 @@ class ReasoningStream:
         held, self._held = self._held, ""
         if self._state == "thinking":
             return self._lstrip(held), ""
-        return "", self._lstrip(held) if self._state == "answer" or held.strip() else ""
+        return "", self._lstrip(held)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
