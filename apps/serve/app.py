@@ -18,6 +18,7 @@ from .body import ClientGone, read_body
 from .errors import APIError, api_error
 from .guard import CLIENT_ABORT, BodyTimeout, Guard
 from .jobs import Job
+from .messages import CountRequest, MessagesRequest, message_response, message_stream, to_chat_request
 from .prepare import prepare_chat, prepare_completion
 from .schemas import ChatRequest, CompletionRequest
 from .state import ServeState
@@ -59,26 +60,26 @@ def build_app(state: ServeState) -> FastAPI:
     app.add_middleware(Guard, state=state)  # outermost: its checks run before anything else
 
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, error: APIError):
-        return error.response()
+    async def _api_error(request: Request, error: APIError):
+        return error.response(path=request.url.path)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, error: ClientGone):
         return client_left(state, request, f"after {error.num_bytes} bytes of its body")
 
     @app.exception_handler(BodyTimeout)
-    async def _body_timeout(_request: Request, _error: BodyTimeout):
+    async def _body_timeout(request: Request, _error: BodyTimeout):
         return APIError(408, f"the request body did not arrive within {state.serve.body_timeout_s:g} s",
-                        code="request_timeout").response()
+                        code="request_timeout").response(path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, error: StarletteHTTPException):
+    async def _http_error(request: Request, error: StarletteHTTPException):
         kind = "not_found" if error.status_code == 404 else None
-        return APIError(error.status_code, str(error.detail), code=kind).response()
+        return APIError(error.status_code, str(error.detail), code=kind).response(path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _any_error(_request: Request, error: Exception):
-        return api_error(error).response()
+    async def _any_error(request: Request, error: Exception):
+        return api_error(error).response(path=request.url.path)
 
     @app.get("/health")
     async def health():
@@ -119,7 +120,27 @@ def build_app(state: ServeState) -> FastAPI:
             answer = await job.completion_response(_never)
         return answer or client_left(state, request, "before its answer was complete")
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await read_body(request, MessagesRequest, max_bytes=max_bytes)
+        job = submitted(state, await prepared(state, _prepare_message, body), kind="message")
+        if body.stream:
+            return _stream(message_stream(job, _never), job)
+        async with _closed_on_disconnect(request, job):
+            answer = await message_response(job, _never)
+        return answer or client_left(state, request, "before its answer was complete")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = await read_body(request, CountRequest, max_bytes=max_bytes)
+        prep = await prepared(state, _prepare_message, body)
+        return {"input_tokens": len(prep.prompt_ids)}
+
     return app
+
+
+def _prepare_message(state: ServeState, body: MessagesRequest):
+    return prepare_chat(state, to_chat_request(body))
 
 
 def submitted(state: ServeState, prep, *, kind: str) -> Job:

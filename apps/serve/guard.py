@@ -14,7 +14,8 @@ from .errors import APIError
 from .state import ServeState
 
 PUBLIC_PATHS = ("/health",)
-KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
+               "/v1/messages/count_tokens")
 LOOPBACK_NAMES = ("localhost", "localhost.")
 CLIENT_ABORT = 499  # the status /metrics counts a request under when its client left before the answer
 
@@ -95,7 +96,7 @@ class Guard:
         try:
             error = self.refusal(scope)
             if error is not None:
-                return await error.response()(scope, receive, counted_send)
+                return await error.response(path=path)(scope, receive, counted_send)
             await self.app(scope, self._timed(receive), counted_send)
         finally:
             self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()

@@ -27,6 +27,7 @@ from .tool_calls import parse_tool_calls
 from .worker import EventQueue
 
 DISCONNECT_POLL_S = 0.5
+ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-", "message": "msg_"}
 
 
 class Job:
@@ -34,7 +35,7 @@ class Job:
 
     def __init__(self, state: ServeState, prep: Prepared, *, kind: str) -> None:
         self.state, self.prep = state, prep
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.id = ID_PREFIX[kind] + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self._queue = EventQueue()
         self.request = SequenceRequest(prompt_ids=prep.prompt_ids, params=prep.params, on_event=self._queue.put,
@@ -101,14 +102,14 @@ class Job:
         done = sum(len(f.token_ids) for f in self.finished.values())
         return usage(prompt=len(self.prep.prompt_ids), completion=done, cached=self.cached)
 
-    def _split(self, text: str) -> tuple[str | None, str]:
+    def split(self, text: str) -> tuple[str | None, str]:
         """(the thoughts, or None; the answer) of a whole answer."""
         plan = self.prep.reasoning
         if plan is None or not plan.split:
             return None, text
         return split_reasoning(text, started=plan.started)
 
-    def _tools(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def tool_calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if self.prep.tool_names is None:
             return text, []
         return parse_tool_calls(text, tool_names=self.prep.tool_names)
@@ -122,8 +123,8 @@ class Job:
         tok, choices = self.state.model.tokenizer, []
         for i in range(self.prep.num_choices):
             f = self.finished[i]
-            thoughts, answer = self._split(f.text)
-            content, calls = self._tools(answer)
+            thoughts, answer = self.split(f.text)
+            content, calls = self.tool_calls(answer)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if thoughts is not None:
                 message["reasoning_content"] = thoughts
@@ -165,7 +166,7 @@ class Job:
                     if answer and buffered is None:
                         yield chunk(ev.choice, {"content": answer})
                 if buffered is not None:
-                    content, calls = self._tools(self._split(ev.text)[1])
+                    content, calls = self.tool_calls(self.split(ev.text)[1])
                     if calls:
                         yield chunk(ev.choice, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
                         finish = "tool_calls"
