@@ -20,6 +20,7 @@ from .guard import CLIENT_ABORT, BodyTimeout, Guard
 from .jobs import Job
 from .messages import CountRequest, MessagesRequest, message_response, message_stream, to_chat_request
 from .prepare import prepare_chat, prepare_completion
+from .responses import ResponsesRequest, prepare_response, response_answer, response_stream
 from .schemas import ChatRequest, CompletionRequest
 from .state import ServeState
 
@@ -135,6 +136,17 @@ def build_app(state: ServeState) -> FastAPI:
         body = await read_body(request, CountRequest, max_bytes=max_bytes)
         prep = await prepared(state, _prepare_message, body)
         return {"input_tokens": len(prep.prompt_ids)}
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body = await read_body(request, ResponsesRequest, max_bytes=max_bytes)
+        prep, conversation = await prepared(state, prepare_response, body)
+        job = submitted(state, prep, kind="response")
+        if body.stream:
+            return _stream(response_stream(job, body, conversation, _never), job)
+        async with _closed_on_disconnect(request, job):
+            answer = await response_answer(job, body, conversation, _never)
+        return answer or client_left(state, request, "before its answer was complete")
 
     return app
 

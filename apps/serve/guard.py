@@ -15,7 +15,7 @@ from .state import ServeState
 
 PUBLIC_PATHS = ("/health",)
 KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
-               "/v1/messages/count_tokens")
+               "/v1/messages/count_tokens", "/v1/responses")
 LOOPBACK_NAMES = ("localhost", "localhost.")
 CLIENT_ABORT = 499  # the status /metrics counts a request under when its client left before the answer
 

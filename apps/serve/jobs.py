@@ -27,7 +27,7 @@ from .tool_calls import parse_tool_calls
 from .worker import EventQueue
 
 DISCONNECT_POLL_S = 0.5
-ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-", "message": "msg_"}
+ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-", "message": "msg_", "response": "resp_"}
 
 
 class Job:

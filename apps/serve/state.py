@@ -12,6 +12,7 @@ from staticlm.runtime.options import RunOptions
 from .grammar import Grammars
 from .metrics import ServeMetrics
 from .options import ServeOptions, default_max_body_bytes
+from .response_store import ResponseStore
 from .worker import EngineWorker
 
 
@@ -25,6 +26,7 @@ class ServeState:
     grammars: Grammars
     model_id: str
     created: int = field(default=0)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' conversations
 
     @classmethod
     def build(cls, model: Model, serve: ServeOptions) -> ServeState:
