@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
-                       "/v1/models, /health, /metrics) with continuous batching; needs the serve extra")
+    s = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, "
+                       "/v1/completions, /v1/responses, /v1/messages, /v1/models, /health, /metrics) with continuous "
+                       "batching; needs the serve extra")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every endpoint but /health")
