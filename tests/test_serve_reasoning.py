@@ -36,11 +36,14 @@ def thinking_family(tmp_path_factory):
     torch.manual_seed(5)
     config = Qwen3Config(vocab_size=262, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
-                         max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=259, eos_token_id=258,
+                         max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=259, eos_token_id=258,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, use_sliding_window=False)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
+    with torch.no_grad():  # as tiny_archs.build: sharper, and untied (a tied one only repeats its last token here)
         model.model.embed_tokens.weight.mul_(8.0)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
     save_tiny_checkpoint(model, hf)
     tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
     tok.add_tokens(THINK_TOKENS)
@@ -103,6 +106,7 @@ def test_the_thoughts_are_split_out_streamed_and_not(client, reference):
     prompt = _prompt(reference, "abc")
     assert reference.tokenizer.decode(prompt).endswith("<think>\n")  # the answer starts inside the thoughts
     text = reference.tokenizer.decode(_greedy(reference, prompt, MAX_NEW))
+    assert text.strip()  # (an answer of blanks would make this test say nothing)
     before, closed, after = text.partition("</think>")
     want = (before.strip(), after.lstrip() if closed else "")
     thoughts, answer, message = _ask(client, "abc")
@@ -120,11 +124,33 @@ def test_the_budget_forces_the_close_after_that_many_reasoning_tokens(client, re
     rest = _greedy(reference, prompt + thought + close, MAX_NEW - budget - 1)
     want_thoughts = reference.tokenizer.decode(thought).strip()
     want_answer = reference.tokenizer.decode(rest).lstrip()
+    assert want_thoughts and want_answer
     if "</think>" in reference.tokenizer.decode(thought):
         pytest.skip("the random model closed its thoughts itself within the budget: nothing to force")
     for stream in (False, True):
         thoughts, answer, _ = _ask(client, "abc", stream=stream, reasoning_budget=budget)
         assert (thoughts.strip(), answer) == (want_thoughts, want_answer), stream
+
+
+def test_the_messages_and_responses_apis_carry_the_same_thoughts(server, client):
+    anthropic = pytest.importorskip("anthropic")
+    want_thoughts, want_answer, _ = _ask(client, "abc", reasoning_budget=5)
+    model = client.models.list().data[0].id
+    claude = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model=model, max_tokens=MAX_NEW, messages=[{"role": "user", "content": "abc"}],
+              thinking={"type": "enabled", "budget_tokens": 5}, extra_body={"temperature": 0, "ignore_eos": True})
+    got = claude.messages.create(**kw)
+    assert [b.type for b in got.content] == ["thinking", "text"]
+    assert (got.content[0].thinking, got.content[1].text) == (want_thoughts, want_answer)
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert (final.content[0].thinking.strip(), final.content[1].text) == (want_thoughts, want_answer)
+    off = claude.messages.create(**{**kw, "thinking": {"type": "disabled"}})
+    assert [b.type for b in off.content] == ["text"]
+    r = client.responses.create(model=model, input="abc", max_output_tokens=MAX_NEW, temperature=0,
+                                extra_body={"ignore_eos": True, "reasoning_budget": 5})
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == want_thoughts and r.output_text == want_answer
 
 
 def test_thinking_off_by_template_kwargs_soft_switch_or_a_zero_budget(client, reference):

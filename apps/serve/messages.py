@@ -69,6 +69,7 @@ class MessagesRequest(BaseModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: Thinking | None = None
+    ignore_eos: bool = False  # llama-server's extra: decode to max_tokens (benchmarks)
 
 
 class CountRequest(MessagesRequest):
@@ -127,7 +128,7 @@ def _openai_messages(req: MessagesRequest) -> list[dict[str, Any]]:
 def to_chat_request(req: MessagesRequest) -> ChatRequest:
     body: dict[str, Any] = {"model": req.model, "messages": _openai_messages(req), "max_tokens": req.max_tokens,
                             "stream": req.stream, "temperature": req.temperature, "top_p": req.top_p,
-                            "top_k": req.top_k, "stop": req.stop_sequences or None}
+                            "top_k": req.top_k, "stop": req.stop_sequences or None, "ignore_eos": req.ignore_eos}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]

@@ -46,6 +46,11 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     text: TextOptions | None = None
     parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": "none"} turns thinking off
+    # llama-server's extras, as on chat completions
+    reasoning_budget: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    ignore_eos: bool = False
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -97,7 +102,11 @@ def input_messages(req: ResponsesRequest, history: list[dict[str, Any]]) -> list
 def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatRequest:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
-                            "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream}
+                            "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
+                            "reasoning_budget": req.reasoning_budget, "ignore_eos": req.ignore_eos,
+                            "chat_template_kwargs": req.chat_template_kwargs}
+    if (req.reasoning or {}).get("effort") in ("none", "minimal"):
+        body["chat_template_kwargs"] = {**(req.chat_template_kwargs or {}), "enable_thinking": False}
     if req.tools:
         tools = []
         for k, t in enumerate(req.tools):
