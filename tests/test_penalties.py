@@ -43,8 +43,9 @@ def test_adjusted_logits_match_the_per_token_definition(logits, generated, prese
 def test_greedy_sampling_applies_penalties_to_generated_tokens_only(logits, prompt, generated, frequency):
     params = SamplingParams(temperature=0.0, frequency_penalty=frequency, presence_penalty=0.5,
                             num_prompt_tokens=len(prompt))
-    token = sample(np.array(logits, np.float32), params, rng=np.random.default_rng(0), history=prompt + generated)
-    want = naive(logits, generated, 0.5, frequency, ())
+    x = np.array(logits, np.float32)
+    token = sample(x, params, rng=np.random.default_rng(0), history=prompt + generated)
+    want = naive(x.tolist(), generated, 0.5, frequency, ())  # of the float32 logits the sampler saw
     assert want[token] == max(want)
 
 
