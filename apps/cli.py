@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cpu-attention", default=None,
                    help="with --target cpu: gqa (default: GroupQueryAttention, KV appended in place) or windows "
                         "(per-head past windows, for the kv_manager strategies and the BMC ladder)")
+    e.add_argument("--kv-dtype", default=None,
+                   help="with --target cpu: the KV cache's element type, float16 or float32 (default: float16 "
+                        "where the CPU computes in half precision, else float32)")
     e.add_argument("--grid-minima", default=None,
                    help="with --target cpu, a GGUF grid with block minima (Q4_1, Q4_K, Q5_1, Q5_K): exact (default: "
                         "every weight gguf's own, an offset MatMul per linear) or folded (integer zero points and "

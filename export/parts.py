@@ -126,7 +126,9 @@ def add_parts(family_dir: str | Path, num_parts: int) -> Manifest:
         model = onnx.load(family_dir / file, load_external_data=False)
         first = entries[0]
         kv_layer = {s.name: s.layer for s in (*first.inputs, *first.outputs) if s.layer is not None}
-        hidden_shape = [first.shape.batch, first.shape.ar, manifest.model.hidden_size]  # [B, AR, hidden]
+        # [B, AR, hidden], B and AR symbolic where the graph's are (one in-place file serves every shape)
+        ids = next(v for v in model.graph.input if v.name == Role.INPUT_IDS.value).type.tensor_type.shape.dim
+        hidden_shape = [d.dim_param or d.dim_value for d in ids] + [manifest.model.hidden_size]
         stem = Path(file).stem
         files = []
         for k, part in enumerate(split_graph(model, groups, kv_layer=kv_layer, hidden_shape=hidden_shape)):

@@ -301,7 +301,8 @@ class ContinuousBatcher:
         return {"rows": self.num_rows, "rows_in_use": self.scheduler.num_busy, "waiting": self.scheduler.num_waiting,
                 "cached_rows": self.cache.num_cached_rows, "prompt_cache_lookups": stats.num_lookups,
                 "prompt_cache_hits": stats.num_hits, "prompt_cache_tokens": stats.num_cached_tokens,
-                "decode_steps": self.num_steps, "cancelled": self.num_cancelled}
+                "decode_steps": self.num_steps, "cancelled": self.num_cancelled,
+                "kv_bytes": self.model.engine.kv.stats.reserved_bytes + self.batch.kv.stats.reserved_bytes}
 
 
 __all__ = ["ContinuousBatcher", "batch_size_for_serving"]

@@ -18,6 +18,7 @@ from staticlm.errors import UserError
 from . import qnn_context
 from .family.manifest import Manifest, read_manifest
 from .parts import PARTS_KEY
+from .prepacked import prepared_graph
 
 QNN_EP = "QNNExecutionProvider"
 # SM8650 (Snapdragon 8 Gen 3); the x86_64 HTP emulator needs an explicit SoC to finalize graphs.
@@ -32,6 +33,13 @@ class Device(str, Enum):
 
 class DeviceError(UserError, RuntimeError):
     """The requested device cannot be used; the message says what to install or choose."""
+
+
+@dataclass(frozen=True)
+class PackedSource:
+    """Where a CPU graph's prepacked copy lives (prepacked.store_dir) and the source graph's hash."""
+    directory: Path
+    source_sha256: str
 
 
 @dataclass(frozen=True)
@@ -245,17 +253,24 @@ def _create_htp_session(path: Path, *, options: DeviceOptions, cache_dir: Path |
 
 
 def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
-                   cache_dir: Path | None = None, shared_weights=None, prepack: bool = False) -> ort.InferenceSession:
+                   cache_dir: Path | None = None, shared_weights=None, prepack: bool = False,
+                   packed: PackedSource | None = None) -> ort.InferenceSession:
     """shared_weights (a SharedWeights) makes CPU sessions of one family reference one weight mapping.
 
     prepack lets ORT keep its own repacked copy of each weight for this session: multi-row graphs (batched,
     verify, prefill) run faster with it, at the cost of that copy's memory.
+
+    packed (a `--target cpu` family): the session loads the graph's optimized copy from the family's prepacked
+    store instead (prepacked.py), whose packed weights every session maps from one file: no copy of its own.
     """
     path = Path(model_path)
     if device is Device.HTP:
         return _create_htp_session(path, options=options, cache_dir=cache_dir)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if packed is not None:
+        path = prepared_graph(path, source_sha256=packed.source_sha256, directory=packed.directory)
+        shared_weights, prepack = None, True
     so.intra_op_num_threads = options.num_threads or physical_cores()
     so.inter_op_num_threads = 1
     # Workers spin between the ~1,000 small nodes of a step (parking and waking them at each node slows decode),

@@ -9,14 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow, Strategy, make_kv_cache
-from staticlm.runtime.family.contract import graph_io, local_tensors, num_kv_tensors
+from staticlm.runtime.family.contract import Role, graph_io, in_place_graph_io, local_tensors, num_kv_tensors
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, load_manifest
 from staticlm.runtime.family.weights import SharedWeights
 
-from .device import Device, DeviceOptions, create_session, resolve_device
+from .device import Device, DeviceOptions, PackedSource, create_session, resolve_device
 from .ladder import ladder_step, rung_past_len
 from .layout import LAYOUTS
+from .memory import check_memory
 from .parts import chain_runner, part_entries
+from .prepacked import store_dir
 from .rope import RopeTable
 from .runahead import Runahead
 from .runner import FamilyContext, Runner
@@ -33,6 +35,22 @@ class EngineOptions:
     prepack: bool = False  # multi-row graphs keep a repacked weight copy each: faster batches/verify, more memory
     run_parts: bool = False  # run every graph as its chain of layer-group parts (a family exported with --parts N)
     prefill_workers: int = 1  # KV-Runahead: workers that prefill a long prompt's chunks in parallel (runahead.py)
+    # Rows of a prompt chunk where the family's graph takes any number (one in-place file); None: the family's
+    # exported prefill length. Each chunk reads every weight once, so long prompts want long chunks.
+    prefill_rows: int | None = None
+
+
+def _with_rows(chunks: tuple[GraphEntry, ...], rows: int | None, *, config, kv_dtype: str) -> tuple[GraphEntry, ...]:
+    """The prompt-chunk entries at `rows` rows, where their graph takes any number (a logits_index input)."""
+    if rows is None or not chunks or not any(s.role is Role.LOGITS_INDEX for s in chunks[0].inputs):
+        return chunks
+    out = []
+    for entry in chunks:
+        shape = dataclasses.replace(entry.shape, ar=rows)
+        inputs, outputs = in_place_graph_io(config, shape, last_logits_only=True, kv_dtype=kv_dtype)
+        out.append(dataclasses.replace(entry, name=f"{entry.name}@ar{rows}", shape=shape, inputs=inputs,
+                                       outputs=outputs))
+    return tuple(out)
 
 
 @dataclass
@@ -87,8 +105,10 @@ class Engine:
             raise ValueError(f"{self.model_dir} has no decode graph for batch {batch}: export it with "
                              f"--batch-sizes {batch}" if batch > 1 else f"{self.model_dir} has no decode graph")
         self.max_context = self._decode[-1].shape.context
-        self.prefill_len = max((g.shape.ar for g in multi), default=1)
-        self._prefill = tuple(g for g in multi if g.shape.ar == self.prefill_len)  # prompt chunks
+        longest = max((g.shape.ar for g in multi), default=1)
+        self._prefill = _with_rows(tuple(g for g in multi if g.shape.ar == longest), options.prefill_rows,
+                                   config=cfg, kv_dtype=self.manifest.kv_dtype)  # prompt chunks
+        self.prefill_len = max((g.shape.ar for g in self._prefill), default=1)
         # Every AR=N graph that scores all its rows can verify drafts (and score a text); by AR, each a ladder
         # sorted by past length. An in-place family's prompt graph scores its last row only.
         multi = tuple(g for g in multi if g.logit_rows == g.shape.ar)
@@ -105,11 +125,18 @@ class Engine:
                    batch=batch, pad_values=self.quant.kv_pad_values if self.quant else None,
                    heads_per_buffer=self.layout.heads_per_buffer(cfg)),
             self.kv_strategy, bmc_r=options.bmc_r, local=local_tensors(cfg), window=cfg.local_window)
+        if weights_from is None:  # the engines made from this one share its weights and hold small caches
+            check_memory(self.model_dir, weights_bytes=self.manifest.weights_bytes,
+                         kv_bytes=self.kv.stats.reserved_bytes)
         rope = RopeTable(cfg)
         self._family = FamilyContext(config=cfg, rope=rope, quant=self.quant,
                                      local_rope=RopeTable(cfg, local=True) if cfg.local_layers else None)
         self._runners: dict[str, Runner] = {}
-        self._sessions: dict[str, object] = {}  # graph file -> its ORT session
+        # graph file -> its ORT session, shared with the engines made from this one (batched rows, the draft)
+        self._sessions: dict[Path, object] = weights_from._sessions if weights_from is not None else {}
+        # A `--target cpu` family's sessions map one prepacked copy of its weights (prepacked.py)
+        self._packed_dir = (store_dir(self.model_dir, self.manifest.weights_sha256)
+                            if self.device is Device.CPU and self.manifest.target == "cpu" else None)
         self._ladder_entries: dict[str, GraphEntry] = {}
         # A family whose graphs take any past length (the cpu target) decodes on BMC's ladder, r rows a rung.
         self._ladder_step = (ladder_step(max_context=self.max_context, override=options.bmc_r)
@@ -135,15 +162,21 @@ class Engine:
     def _open_runner(self, entry: GraphEntry) -> Runner:
         if entry.name not in self._runners:
             # Entries may share a file (a symbolic past length serves every rung): one session per file.
-            session = self._sessions.get(entry.file) or create_session(
-                self.model_dir / entry.file, device=self.device, options=self.options.device,
+            path = self.model_dir / entry.file
+            session = self._sessions.get(path) or create_session(
+                path, device=self.device, options=self.options.device,
                 cache_dir=self.model_dir / ".qnn_cache", shared_weights=self._shared_weights,
                 # MatMulNBits without its prepacked weights dequantizes every weight on every step
                 prepack=self.layout.prepacks or self._ladder_step is not None
-                or (self.options.prepack and entry.shape.batch * entry.shape.ar > 1))
-            self._sessions[entry.file] = session
+                or (self.options.prepack and entry.shape.batch * entry.shape.ar > 1),
+                packed=self.packed_source(entry))
+            self._sessions[path] = session
             self._runners[entry.name] = self.layout.runner(session, entry, family=self._family)
         return self._runners[entry.name]
+
+    def packed_source(self, entry: GraphEntry) -> PackedSource | None:
+        """Where entry's graph is loaded from with the family's one prepacked weight copy (None: as it is)."""
+        return None if self._packed_dir is None else PackedSource(self._packed_dir, entry.sha256)
 
     def warm_up(self, *, verify: bool = True) -> None:
         """Open and run the first rung's graphs once now, so no answer pays for loading or first-run setup; the

@@ -46,6 +46,16 @@ class InPlaceRunner:
         self.logits = None if logits is None else np.zeros(logits.shape, np.float32)
         if logits is not None:
             self._binding.bind_output(logits.name, self.logits)
+        # The rows the head scores, when the graph takes them as an input (one graph file for every shape):
+        # every row of each sequence, or its last real row (set per step in _set_rows)
+        self._last_row_only = logits is not None and logits.shape[1] == 1 and ar > 1
+        self.logits_index = None
+        if Role.LOGITS_INDEX in names:
+            rows = logits.shape[1] if logits is not None else ar
+            self.logits_index = (np.arange(b, dtype=np.int64) * ar if self._last_row_only
+                                 else np.arange(b * rows, dtype=np.int64))  # [B R] flat rows of [B AR]
+            self._first_rows = self.logits_index.copy()
+            self._binding.bind_input(names[Role.LOGITS_INDEX], self.logits_index)
         # (past name, present name, buffer index)
         self._buffer_names = [(past, present, g) for (past, g), (present, _g) in zip(
             _by_buffer(entry.inputs, KV_INPUT_ROLES), _by_buffer(entry.outputs, BUFFER_OUTPUT_ROLES), strict=True)]
@@ -77,6 +87,8 @@ class InPlaceRunner:
         np.add(positions[:, None], self._row_offsets, out=self.position_ids)
         np.minimum(self.position_ids, self._max_position, out=self.position_ids)
         self.query_lengths[:] = num_real
+        if self._last_row_only and self.logits_index is not None:
+            np.add(self._first_rows, num_real - 1, out=self.logits_index)
         np.add(lengths, num_real - 1, out=self.seqlens_k)
         self.total_length[...] = max(int(lengths.max()) + num_real, self.shape.ar)
 

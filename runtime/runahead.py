@@ -116,7 +116,8 @@ class Runahead:
             e = self.engine
             device = dataclasses.replace(e.options.device, num_threads=self.threads_per_worker)
             self._runners = [[InPlaceRunner(create_session(e.model_dir / p.file, device=e.device, options=device,
-                                                           shared_weights=e._shared_weights, prepack=True),
+                                                           shared_weights=e._shared_weights, prepack=True,
+                                                           packed=e.packed_source(p)),
                                             p, family=e._family) for p in self.parts]
                              for _ in range(self.num_workers)]
         return self._runners

@@ -56,7 +56,8 @@ class SegmentEngine:
         if entry.name not in self._runners:
             session = self._sessions.get(entry.file) or create_session(
                 self.model_dir / entry.file, device=self.device, options=self.options.device,
-                cache_dir=self.model_dir / ".qnn_cache", shared_weights=self.source._shared_weights, prepack=True)
+                cache_dir=self.model_dir / ".qnn_cache", shared_weights=self.source._shared_weights, prepack=True,
+                packed=self.source.packed_source(entry))
             self._sessions[entry.file] = session
             self._runners[entry.name] = SegmentRunner(session, entry, family=self.source._family)
         return self._runners[entry.name]

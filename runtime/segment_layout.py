@@ -12,6 +12,7 @@ import dataclasses
 
 from staticlm.kv_manager import ContextFull
 from staticlm.runtime.family.config import ModelConfig
+from staticlm.runtime.family.contract import Role
 from staticlm.runtime.family.manifest import GraphEntry
 from staticlm.runtime.family.segments import segment_graph_io, static_prompt_len
 
@@ -31,7 +32,8 @@ class SymbolicSegments:
         name = f"{base.name}@p{capacity}"
         if name not in self._entries:
             shape = dataclasses.replace(base.shape, past_len=capacity)
-            inputs, outputs = segment_graph_io(self.config, shape)
+            kv_dtype = next(s.dtype for s in base.inputs if s.role is Role.PROMPT_KEY)  # the prompt cache's type
+            inputs, outputs = segment_graph_io(self.config, shape, kv_dtype=kv_dtype)
             self._entries[name] = dataclasses.replace(base, name=name, shape=shape, inputs=inputs, outputs=outputs)
         return self._entries[name]
 

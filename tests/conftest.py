@@ -16,6 +16,16 @@ TINY_CONTEXTS = (32, 64)
 TINY_PREFILL = 8
 
 
+def graph_path(family: Path, kind: str, *, ar: int, batch: int = 1) -> Path:
+    """The graph file the family's manifest lists for a (kind, AR, batch) shape: a cpu family's in-place shapes
+    all read one file, other families have a file per shape."""
+    from staticlm.runtime.family.manifest import GraphKind, load_manifest
+
+    entry = next(g for g in load_manifest(family).graphs
+                 if g.kind is GraphKind(kind) and g.shape.ar == ar and g.shape.batch == batch)
+    return Path(family) / entry.file
+
+
 def tiny_tokenizer_json() -> str:
     """A byte-level tokenizer: 256 byte tokens, no merges, then the specials (vocab 260)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -71,3 +71,4 @@ def hf_greedy(model, prompt_ids: list[int], num_new: int, *, eos: int | None = N
                              eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
                              attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
     return out[0, len(prompt_ids):].tolist()
+

@@ -181,15 +181,17 @@ def test_htp_emulator_runs_every_architecture_like_the_cpu_ep(tiny, arch, tmp_pa
 
 
 # -- the CPU target: MatMulNBits weights, GroupQueryAttention or per-head windows ------------------------------
-@pytest.mark.parametrize("attention", ["gqa", "windows"])
+@pytest.mark.parametrize("attention", ["gqa", "gqa-float16", "windows"])
 @pytest.mark.parametrize("arch", tiny_archs.ARCHS)
 def test_cpu_target_agrees_with_transformers(tiny, arch, attention, tmp_path):
     from staticlm.export.cpu.graph import CpuAttention, WeightBits
 
     _hf_dir, model, gguf = tiny(arch)
-    # 8-bit weights at float activations: what is left is the weights' rounding, so the body's math shows
-    family = _export(gguf, tmp_path / "family", target="cpu", attention=CpuAttention(attention),
-                     bits=WeightBits.INT8, accuracy_level=0)
+    kind, _, kv_dtype = attention.partition("-")
+    # 8-bit weights at float activations: what is left is the weights' rounding, so the body's math shows (and
+    # float16 KV keeps the float32 KV's tolerances)
+    family = _export(gguf, tmp_path / "family", target="cpu", attention=CpuAttention(kind),
+                     bits=WeightBits.INT8, accuracy_level=0, **({"kv_dtype": kv_dtype} if kv_dtype else {}))
     got, want = _teacher_forced(family), hf_step(model, TEXT[None], None)[0][0]
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import TINY_CONTEXTS, TINY_PREFILL
+from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
 from reference import graph_feeds, hf_step
 
 MS = "com.microsoft"
@@ -135,8 +135,9 @@ def optimized(path: Path, tmp_path: Path) -> onnx.ModelProto:
 @pytest.mark.parametrize("family", ["int4", "windows"])
 def test_fused_cpu_ops_survive_ort_optimization(cpu_families, tiny_hf_model, tmp_path, family):
     layers = tiny_hf_model.config.num_hidden_layers
-    for name in ("decode_ar1.onnx", f"prefill_ar{TINY_PREFILL}.onnx"):
-        nodes = optimized(cpu_families[family] / name, tmp_path).graph.node
+    for name in {graph_path(cpu_families[family], "decode", ar=1), graph_path(cpu_families[family], "prefill",
+                                                                              ar=TINY_PREFILL)}:
+        nodes = optimized(name, tmp_path).graph.node
         ops = collections.Counter(n.op_type for n in nodes)
         # The one Tile repeats the small mask for the grouped query rows, never KV.
         assert all(n.input[0] == "attention_bias" for n in nodes if n.op_type in ("Tile", "Expand"))
@@ -155,7 +156,7 @@ def dequantized_state_dict(family: Path, cfg) -> dict:
     """HF weights rebuilt from the family's packed MatMulNBits bytes: W[n, k] = (q - zp) * scale per block."""
     import torch
 
-    model = onnx.load(str(family / "decode_ar1.onnx"))  # pulls the external data of weights.bin
+    model = onnx.load(str(graph_path(family, "decode", ar=1)))  # pulls the external data of weights.bin
     t = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
 
     k_attr = {n.input[1][:-2]: onnx.helper.get_node_attr_value(n, "K") for n in model.graph.node
@@ -228,10 +229,13 @@ def test_graph_math_is_exact_on_its_own_dequantized_weights(cpu_families, tiny_h
 def test_in_place_prompt_chunks_score_only_their_last_real_row(cpu_families, tiny_hf_model, token_ids):
     import copy
 
+    from staticlm.runtime.family.manifest import GraphKind, load_manifest
+
     family = cpu_families["int4_exact"]
-    model = onnx.load(str(family / f"prefill_ar{TINY_PREFILL}.onnx"), load_external_data=False)
-    dims = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
-    assert model.graph.output[0].name == "logits" and dims == [1, 1, tiny_hf_model.config.vocab_size]
+    chunk = next(g for g in load_manifest(family).graphs if g.kind is GraphKind.PREFILL and g.shape.ar == TINY_PREFILL)
+    assert [s.shape for s in chunk.outputs if s.name == "logits"] == [(1, 1, tiny_hf_model.config.vocab_size)]
+    # the graph scores the rows the caller names: one per sequence here
+    assert [s.shape for s in chunk.inputs if s.name == "logits_index"] == [(1,)]
     ref = copy.deepcopy(tiny_hf_model)
     ref.load_state_dict(dequantized_state_dict(family, ref.config), strict=False)
     # a whole chunk, a right-padded one, and two chunks with a decode-graph tail
@@ -260,7 +264,7 @@ def test_every_ladder_rung_gives_the_largest_windows_logits(cpu_families, tiny_h
 
     cfg = tiny_hf_model.config
     family = cpu_families["windows"]
-    session = ort.InferenceSession(str(family / "decode_ar1.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(graph_path(family, "decode", ar=1)), providers=["CPUExecutionProvider"])
     prompt = np.random.default_rng(3).integers(0, 256, (1, 9))
     _, cache = hf_step(tiny_hf_model, prompt, None)
     step = np.array([[17]])

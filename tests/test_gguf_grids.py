@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import TINY_CONTEXTS, TINY_PREFILL
+from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
@@ -117,7 +117,7 @@ def ort_weights(family) -> dict[str, np.ndarray]:
     import onnxruntime as ort
     from onnx import helper
 
-    model = onnx.load(str(family / "decode_ar1.onnx"))  # with the weight file's data
+    model = onnx.load(str(graph_path(family, "decode", ar=1)))  # with the weight file's data
     inits = {i.name: i for i in model.graph.initializer}
     producers = {o: node for node in model.graph.node for o in node.output}
     concats = {node.output[0]: node for node in model.graph.node if node.op_type == "Concat"}

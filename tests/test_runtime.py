@@ -195,8 +195,8 @@ def test_verify_graphs_open_only_when_speculation_will_run(tiny_family):
 
     def opened_verify_files(options: RunOptions) -> set[str]:
         engine = Model.open(tiny_family, options).engine
-        verify_files = {g.file for ladder in engine._verify.values() for g in ladder}
-        verify_files -= {engine._decode[0].file, *(g.file for g in engine._prefill[:1])}  # those open anyway
+        verify_files = {engine.model_dir / g.file for ladder in engine._verify.values() for g in ladder}
+        verify_files -= {engine.model_dir / g.file for g in (engine._decode[0], *engine._prefill[:1])}  # open anyway
         assert verify_files  # the tiny family has verify-only graphs
         return verify_files & set(engine._sessions)
 

@@ -65,8 +65,9 @@ def families(tiny_hf_dir, tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("segments")
     out = {}
-    for name, attention in (("gqa", CpuAttention.GQA), ("windows", CpuAttention.WINDOWS)):
-        export_cpu_family(load_model(tiny_hf_dir), root / name, cpu=CpuOptions(attention=attention),
+    for name, attention, kv in (("gqa", CpuAttention.GQA, "float32"), ("windows", CpuAttention.WINDOWS, "float32"),
+                                ("gqa-float16", CpuAttention.GQA, "float16")):
+        export_cpu_family(load_model(tiny_hf_dir), root / name, cpu=CpuOptions(attention=attention, kv_dtype=kv),
                           options=ExportOptions(contexts=(TINY_CONTEXTS[0], 256), prefill_len=TINY_PREFILL,
                                                 verify_lens=(4,), batch_sizes=(4,)))
         out[name] = root / name
@@ -99,7 +100,7 @@ def _engine(family: Path):
     return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2)))
 
 
-@pytest.mark.parametrize("name", ["gqa", "windows"])
+@pytest.mark.parametrize("name", ["gqa", "windows", "gqa-float16"])
 def test_segmented_steps_match_single_sequence_runs(families, name):
     # Decode steps across two 16-row rungs of the response ladder, a verify step, then ragged commits: every
     # sequence's logits equal the same tokens scored alone (the prompt in its own cache, no batch at all).

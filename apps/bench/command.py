@@ -29,6 +29,7 @@ from .base import (
     parse_peers,
 )
 from .bmc import bench_bmc
+from .memory import bench_memory
 from .report import print_table, write_outputs
 from .runahead import bench_runahead
 from .segments import bench_segments
@@ -41,6 +42,7 @@ from .strategies import bench_strategies
 BENCHMARKS: tuple[tuple[str, Benchmark], ...] = (
     ("bmc", bench_bmc),
     ("speed", bench_speed),
+    ("memory", bench_memory),
     ("strategies", bench_strategies),
     ("speculative", bench_speculative),
     ("responses", bench_responses),

@@ -112,8 +112,9 @@ def prepare(peer: Peer, *, gguf: Path, log) -> PeerModel:
     return PeerModel(python, str(hf))
 
 
-def run_worker(system: str, *, python: str, workload: dict, timeout_s: float = 3600) -> dict:
-    """Run worker.py for one system; its JSON result, or PeerUnavailable with the error's last line."""
+def run_worker(system: str, *, python: str, workload: dict, timeout_s: float = 3600, task: str = "speed") -> dict:
+    """Run worker.py for one system and task (speed, memory); its JSON result, or PeerUnavailable with the error's
+    last line."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload, f)
         path = f.name
@@ -121,7 +122,7 @@ def run_worker(system: str, *, python: str, workload: dict, timeout_s: float = 3
         # The peer's own environment, minus anything that would change its thread count behind our back.
         env = {**os.environ, "OMP_NUM_THREADS": str(workload["threads"]),
                "MKL_NUM_THREADS": str(workload["threads"]), "TOKENIZERS_PARALLELISM": "false"}
-        done = subprocess.run([python, str(WORKER), system, path], capture_output=True, text=True,
+        done = subprocess.run([python, str(WORKER), system, path, task], capture_output=True, text=True,
                               timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise PeerUnavailable(f"{system} did not finish within {timeout_s:.0f} s") from None

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from .base import BenchContext, Row
+from .memory import budget_note, model_file_bytes
+from .worker import PeakMemory
 
 CLIENTS = (1, 4, 8)
 NUM_TOKENS = 64
@@ -39,9 +41,11 @@ def serve_command(*args: str) -> list[str]:
 
 
 @contextmanager
-def running_server(model_dir: Path, *args: str, threads: int = 2, startup_s: float = STARTUP_S):
+def running_server(model_dir: Path, *args: str, threads: int = 2, startup_s: float = STARTUP_S,
+                   processes: list[subprocess.Popen] | None = None):
     """`staticlm serve` in a subprocess on a free loopback port, waited for on /health; yields its base URL
-    (http://127.0.0.1:PORT) and stops it after. args: more serve flags (a later flag overrides these)."""
+    (http://127.0.0.1:PORT) and stops it after. args: more serve flags (a later flag overrides these);
+    processes: receives the server's process (its memory is sampled by pid)."""
     import httpx
 
     port = free_port()
@@ -49,6 +53,8 @@ def running_server(model_dir: Path, *args: str, threads: int = 2, startup_s: flo
                         "--max-queue", "64", *args)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if processes is not None:
+        processes.append(proc)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s
@@ -134,6 +140,16 @@ def _load(base: str, num_clients: int, *, max_tokens: int, prompts: list[str]) -
             "token_p50_s": pct(gaps, 50), "token_p95_s": pct(gaps, 95)}
 
 
+def _metric(base: str, name: str) -> float:
+    """One gauge from the server's /metrics (0 when it is not there)."""
+    import httpx
+
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def _prompts(num: int, *, num_words: int = 25) -> list[str]:
     """num different passages of the shipped English text."""
     from staticlm.apps.commands.eval_metrics import held_out_text
@@ -164,17 +180,25 @@ def bench_serve(ctx: BenchContext) -> list[Row]:
     max_tokens = 8 if quick else NUM_TOKENS
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     prompts = _prompts(max(clients))
-    rows, raw = [], {}
-    with running_server(ctx.model_dir, threads=ctx.options.threads) as base:
+    rows, raw, server = [], {}, []
+    with running_server(ctx.model_dir, threads=ctx.options.threads, processes=server) as base:
         stream_chat(base, [{"role": "user", "content": "warm up"}], max_tokens=4)
         for c in clients:
             ctx.log(f"  {c} concurrent streaming client(s) x {max_tokens} tokens ...")
-            raw[c] = r = _load(base, c, max_tokens=max_tokens, prompts=prompts)
+            with PeakMemory(server[0].pid) as memory:
+                raw[c] = r = _load(base, c, max_tokens=max_tokens, prompts=prompts)
+            r["peak_pss_bytes"], r["peak_rss_bytes"] = memory.peak_pss, memory.peak_rss
+            r["kv_bytes"] = _metric(base, "staticlm_kv_bytes")
             tok_s = r["tokens"] / r["wall_s"]
             base_tok_s = raw[clients[0]]["tokens"] / raw[clients[0]]["wall_s"]
             note = (f"{r['complete']}/{c} complete with {max_tokens} tokens" + (f", {len(r['errors'])} lost"
                                                                                   if r["errors"] else "")
                     + (f"; {tok_s / base_tok_s:.2f}x one client" if c != clients[0] else ""))
+            file_bytes, file_name = model_file_bytes(ctx)
+            rows += [Row(f"serve.c{c}.pss", f"serve, {c} clients: server peak PSS", "MB", r["peak_pss_bytes"] / 1e6,
+                         higher_is_better=False, note=budget_note(peak=r["peak_pss_bytes"], file_bytes=file_bytes,
+                                                                  kv_bytes=int(r["kv_bytes"]), file_name=file_name)
+                         + f"; peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB")] if PeakMemory.available() else []
             rows += [Row(f"serve.c{c}.tok_s", f"serve, {c} clients: aggregate tok/s", "tok/s", tok_s, note=note),
                      Row(f"serve.c{c}.ttft_p50", f"serve, {c} clients: TTFT p50", "ms", 1000 * r["ttft_p50_s"],
                          higher_is_better=False, note=f"p95 {1000 * r['ttft_p95_s']:.0f} ms"),

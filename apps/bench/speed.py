@@ -28,7 +28,7 @@ def workload(ctx: BenchContext, model: str) -> dict:
             "layout": {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}}
 
 
-def _peer_gguf(ctx: BenchContext) -> Path | None:
+def peer_gguf(ctx: BenchContext) -> Path | None:
     """The GGUF file the family was made from, which every peer runs (None for a checkpoint source)."""
     source = load_manifest(ctx.model_dir).source
     if "SmolLM2-135M" in source:
@@ -75,7 +75,7 @@ def bench_speed(ctx: BenchContext) -> list[Row]:
 
     systems: dict[str, PeerModel] = {"staticlm": PeerModel(sys.executable, str(ctx.model_dir))}
     skipped: dict[str, str] = ctx.extra.setdefault("skipped_peers", {})
-    gguf = _peer_gguf(ctx) if ctx.options.peers else None
+    gguf = peer_gguf(ctx) if ctx.options.peers else None
     for peer in ctx.options.peers:
         try:
             if gguf is None:

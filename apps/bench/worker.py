@@ -17,9 +17,70 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 
 import numpy as np
+
+
+class PeakMemory:
+    """Peak PSS and RSS of a process and its children, sampled from /proc/PID/smaps_rollup (Linux).
+
+    PSS counts each shared page once across the processes and mappings sharing it (a file several sessions map,
+    the page cache's copy of a weight file); RSS counts it in every mapping. The kernel keeps no peak PSS, hence
+    the sampling: every interval seconds, and once more when asked (`sample()` after a phase ends).
+    """
+
+    def __init__(self, pid: int | None = None, *, interval: float = 0.02) -> None:
+        self.pid, self.interval = pid or os.getpid(), interval
+        self.peak_pss = self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def available() -> bool:
+        return os.path.exists("/proc/self/smaps_rollup")
+
+    def _pids(self) -> list[int]:
+        pids, stack = [], [self.pid]
+        while stack:
+            pid = stack.pop()
+            pids.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        stack += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+        return pids
+
+    def sample(self) -> None:
+        pss = rss = 0
+        for pid in self._pids():
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    for line in f:
+                        if line.startswith("Pss:"):
+                            pss += int(line.split()[1]) * 1024
+                        elif line.startswith("Rss:"):
+                            rss += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> PeakMemory:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
 
 
 class StaticLM:
@@ -198,6 +259,15 @@ def measure(runner, w: dict) -> dict:
             "kv_bytes": runner.kv_bytes(), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def measure_generate(runner, w: dict) -> dict:
+    """What `generate` holds: a prompt of prompt_len tokens prefilled, then decode_steps tokens (peak memory)."""
+    prompt = w["text_ids"][:w["prompt_len"]]
+    token = runner.prefill(prompt)
+    for _ in range(w["decode_steps"]):
+        token = runner.decode(token)
+    return {"kv_bytes": runner.kv_bytes()}
+
+
 def _timed_prefill(runner, prompt: list[int]) -> float:
     t0 = time.perf_counter()
     runner.prefill(prompt)
@@ -205,14 +275,23 @@ def _timed_prefill(runner, prompt: list[int]) -> float:
 
 
 def main(argv: list[str]) -> int:
-    system, path = argv
+    """argv: SYSTEM WORKLOAD.json [speed|memory]: the speed rows, or one generation's peak memory (a process of its
+    own, so the peak is that generation's and not the timing loops')."""
+    system, path, task = (*argv, "speed")[:3]
     with open(path) as f:
         workload = json.load(f)
+    probe = PeakMemory() if PeakMemory.available() else None
+    if probe is not None:
+        probe.__enter__()
     t0 = time.perf_counter()
     runner = SYSTEMS[system](workload)
     load_s = time.perf_counter() - t0
-    result = measure(runner, workload)
+    result = (measure_generate if task == "memory" else measure)(runner, workload)
     result["load_s"] = load_s
+    if probe is not None:
+        probe.__exit__()
+        result |= {"peak_pss_bytes": probe.peak_pss, "peak_rss_sampled_bytes": probe.peak_rss}
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(result))
     return 0
 

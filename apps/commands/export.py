@@ -6,6 +6,7 @@ family with a progress bar on stderr); each brings its own options and its own f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
 from staticlm.errors import InvalidOption
 from staticlm.export.cpu.family import export_cpu_family, num_cpu_steps
 from staticlm.export.cpu.graph import CpuAttention, CpuOptions, WeightBits
-from staticlm.export.cpu.options import GridMinima
+from staticlm.export.cpu.options import KV_DTYPES, GridMinima, default_kv_dtype
 from staticlm.export.draft import truncate_layers
 from staticlm.export.family import (
     DEFAULT_BATCH_SIZES,
@@ -88,7 +89,7 @@ def parse_gptq(rounding: str | None, grid: str | None, *, target: str) -> GptqOp
 
 def parse_cpu_options(*, weight_bits: int | None, attention: str | None, calib: bool | None = None,
                       rounding: str | None = None, calib_steps: int | None = None, grid: str | None = None,
-                      grid_minima: str | None = None) -> CpuOptions:
+                      grid_minima: str | None = None, kv_dtype: str | None = None) -> CpuOptions:
     try:
         bits = WeightBits(weight_bits or 4)
     except ValueError:
@@ -105,13 +106,18 @@ def parse_cpu_options(*, weight_bits: int | None, attention: str | None, calib: 
         minima = GridMinima((grid_minima or GridMinima.EXACT.value).lower())
     except ValueError:
         raise InvalidOption(f"--grid-minima takes exact or folded, got {grid_minima!r}") from None
-    base = CpuOptions(bits=bits, attention=kind, grid_minima=minima)
+    kv = (kv_dtype or default_kv_dtype()).lower()
+    if kv not in KV_DTYPES:
+        raise InvalidOption(f"--kv-dtype takes {' or '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype is not None and kind is not CpuAttention.GQA:
+        raise InvalidOption("--kv-dtype is the gqa attention's: the windows layout keeps float32 KV")
+    base = CpuOptions(bits=bits, attention=kind, grid_minima=minima, kv_dtype=kv)
     if not calib:
         return base
     if calib_steps is not None and calib_steps < 1:
         raise InvalidOption(f"--calib-steps must be at least 1, got {calib_steps}")
-    return CpuOptions(bits=bits, attention=kind, grid_minima=minima, calib_steps=calib_steps or base.calib_steps,
-                      gptq=parse_gptq(rounding, grid, target="cpu"))
+    return dataclasses.replace(base, calib_steps=calib_steps or base.calib_steps,
+                               gptq=parse_gptq(rounding, grid, target="cpu"))
 
 
 def parse_quant_options(*, quant: str | None, kv_bits: int | None, calib_steps: int | None,
@@ -137,23 +143,24 @@ Exporter = tuple[Callable[[object], int], Callable[..., Manifest], str]
 
 def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | None, cpu_attention: str | None,
               quant: str | None, kv_bits: int | None, calib_steps: int | None, calib: bool | None = None,
-              rounding: str | None = None, grid: str | None = None, grid_minima: str | None = None) -> Exporter:
+              rounding: str | None = None, grid: str | None = None, grid_minima: str | None = None,
+              kv_dtype: str | None = None) -> Exporter:
     """The target's writer, every option checked before the (possibly slow) source is read."""
     target = (target or ("cpu" if weight_bits is not None or cpu_attention is not None or calib else "float")).lower()
-    cpu_flags, htp_flags = (weight_bits, cpu_attention, calib, grid_minima), (quant, kv_bits)
+    cpu_flags, htp_flags = (weight_bits, cpu_attention, calib, grid_minima, kv_dtype), (quant, kv_bits)
     if target not in ("float", "cpu", "htp"):
         raise InvalidOption(f"unknown --target {target!r}: choose htp, cpu or float (the default)")
     if target != "cpu" and any(o is not None for o in cpu_flags):
-        raise InvalidOption(f"--weight-bits, --cpu-attention, --calib and --grid-minima need --target cpu, got "
-                            f"--target {target}")
+        raise InvalidOption(f"--weight-bits, --cpu-attention, --calib, --grid-minima and --kv-dtype need --target "
+                            f"cpu, got --target {target}")
     if target != "htp" and any(o is not None for o in htp_flags):
         raise InvalidOption(f"--quant and --kv-bits need --target htp, got --target {target}")
     if target == "float" and (calib_steps is not None or rounding is not None or grid is not None):
         raise InvalidOption("--calib-steps, --rounding and --grid need --target htp or --target cpu --calib")
     if target == "cpu":
         cpu = parse_cpu_options(weight_bits=weight_bits, attention=cpu_attention, calib=calib, rounding=rounding,
-                                calib_steps=calib_steps, grid=grid, grid_minima=grid_minima)
-        return (lambda config: num_cpu_steps(options, config, calibrated=cpu.gptq is not None),
+                                calib_steps=calib_steps, grid=grid, grid_minima=grid_minima, kv_dtype=kv_dtype)
+        return (lambda config: num_cpu_steps(options, config, cpu=cpu, calibrated=cpu.gptq is not None),
                 lambda loaded, out, on_step: export_cpu_family(
             loaded, out, options=options, cpu=cpu, on_step=on_step),
             f"CPU ({cpu.attention.value} attention; float weights to int{int(cpu.bits)}, head int{int(cpu.head)})")
@@ -173,7 +180,8 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
                quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
                weight_bits: int | None = None, cpu_attention: str | None = None, calib: bool | None = None,
                rounding: str | None = None, grid: str | None = None, parts: int | None = None,
-               grid_minima: str | None = None, on_progress: Callable[[str, int, int], None] | None = None) -> Path:
+               grid_minima: str | None = None, kv_dtype: str | None = None,
+               on_progress: Callable[[str, int, int], None] | None = None) -> Path:
     """on_progress(what, done, total) after each step, instead of the progress bar (the desktop app's dialog);
     parts: also write every graph as that many layer-group graphs (export/parts.py)."""
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
@@ -184,7 +192,7 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
     num_target_steps, write, what = _exporter(options, target=target, weight_bits=weight_bits,
                                               cpu_attention=cpu_attention, quant=quant, kv_bits=kv_bits,
                                               calib_steps=calib_steps, calib=calib, rounding=rounding, grid=grid,
-                                              grid_minima=grid_minima)
+                                              grid_minima=grid_minima, kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     with _progress(1, quiet=quiet, on_progress=on_progress) as report:
         report(f"reading {model}", advance=0)
@@ -247,5 +255,5 @@ def run_export_command(args: argparse.Namespace) -> int:
                quiet=args.quiet, target=args.target, quant=args.quant, kv_bits=args.kv_bits,
                calib_steps=args.calib_steps, weight_bits=args.weight_bits, cpu_attention=args.cpu_attention,
                calib=args.calib, rounding=args.rounding, grid=args.grid, parts=args.parts,
-               grid_minima=args.grid_minima)
+               grid_minima=args.grid_minima, kv_dtype=args.kv_dtype)
     return 0

@@ -29,6 +29,7 @@ class ServeMetrics:
         status = batcher.status
         for name, key, doc in (("staticlm_kv_rows", "rows", "batch rows (KV sequences) the server decodes in"),
                                ("staticlm_kv_rows_in_use", "rows_in_use", "batch rows decoding a request now"),
+                               ("staticlm_kv_bytes", "kv_bytes", "bytes of KV buffers held (prefill and batch rows)"),
                                ("staticlm_queue_length", "waiting", "requests waiting for a row"),
                                ("staticlm_prompt_cache_rows", "cached_rows", "free rows holding a cached prefix"),
                                ("staticlm_cancelled_choices", "cancelled", "choices ended by a client that left")):

@@ -54,13 +54,13 @@ class RopeTables:
 
 def head_norm(graph: CpuLlamaGraph, x: str, layer: int, kind: str, *, num_heads: int) -> str:
     """[B, AR, n D] -> the q or k norm (kind) over each head's D dims when the architecture has one, else x."""
-    g, c, s = graph.g, graph.c, graph.s
+    g, c = graph.g, graph.c
     if not c.qk_norm:
         return x
-    x4 = g.op("Reshape", x, g.const([s.batch, s.ar, num_heads, c.head_dim]))  # [B, AR, n, D]
+    x4 = g.op("Reshape", x, g.const([0, 0, num_heads, c.head_dim]))  # [B, AR, n, D]
     y = g.op("SimplifiedLayerNormalization", x4, g.weight(f"l{layer}.{kind}_norm"), axis=-1,
              epsilon=float(c.rms_norm_eps))
-    return g.op("Reshape", y, g.const([s.batch, s.ar, num_heads * c.head_dim]))
+    return g.op("Reshape", y, g.const([0, 0, num_heads * c.head_dim]))
 
 
 def grouped_bias(graph: CpuLlamaGraph, *, local: bool = False) -> str:

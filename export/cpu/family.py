@@ -26,7 +26,14 @@ from .segment_attention import export_segment_graphs, segment_shapes, segments_s
 TARGET = "cpu"
 
 
-def graph_file(kind: GraphKind, shape: GraphShape) -> str:
+IN_PLACE_FILE = "in_place.onnx"  # every decode, prompt-chunk, verify and batched shape of a gqa family
+
+
+def graph_file(kind: GraphKind, shape: GraphShape, *, cpu: CpuOptions) -> str:
+    """One file serves every in-place shape (its batch and rows are symbolic, so one session, one set of packed
+    weights); the windows layout keeps one per (batch, AR)."""
+    if cpu.attention is CpuAttention.GQA:
+        return IN_PLACE_FILE
     batch = f"_b{shape.batch}" if shape.batch > 1 else ""
     return f"{kind.value}_ar{shape.ar}{batch}.onnx"
 
@@ -53,7 +60,7 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
         shapes = options.shapes()
         largest: dict[str, tuple[GraphKind, GraphShape]] = {}
         for _name, kind, shape in shapes:  # each file is built at its largest window (any P up to it runs)
-            file = graph_file(kind, shape)
+            file = graph_file(kind, shape, cpu=cpu)
             if file not in largest or shape.past_len > largest[file][1].past_len:
                 largest[file] = (kind, shape)
         hashes = {}
@@ -67,9 +74,9 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
         entries = []
         for name, kind, shape in shapes:
             last_only = _last_logits_only(cpu=cpu, kind=kind, shape=shape, prefill_len=options.prefill_len)
-            inputs, outputs = (in_place_graph_io(config, shape, last_logits_only=last_only)
+            inputs, outputs = (in_place_graph_io(config, shape, last_logits_only=last_only, kv_dtype=cpu.kv_dtype)
                                if cpu.attention is CpuAttention.GQA else graph_io(config, shape))
-            file = graph_file(kind, shape)
+            file = graph_file(kind, shape, cpu=cpu)
             entries.append(GraphEntry(name=name, file=file, kind=kind, shape=shape, inputs=inputs, outputs=outputs,
                                       sha256=hashes[file]))
         # segment KV for several responses: the prompt's K/V shared by every sequence (segment_attention.py)
@@ -80,6 +87,7 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
             special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
+            kv_dtype=cpu.kv_dtype,
             extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True,
                    **({"source_grids": model.grid_summary()} if model.grid_summary() else {}),
                    **({"weight_rounding": rounding} if rounding else {})})
@@ -93,9 +101,10 @@ def _last_logits_only(*, cpu: CpuOptions, kind: GraphKind, shape: GraphShape, pr
     return cpu.attention is CpuAttention.GQA and kind is GraphKind.PREFILL and shape.ar == prefill_len
 
 
-def num_cpu_steps(options: ExportOptions, config, *, calibrated: bool = False) -> int:
+def num_cpu_steps(options: ExportOptions, config, *, cpu: CpuOptions, calibrated: bool = False) -> int:
     """One step per layer's weights, the rest of the weights, each graph file and the manifest (calibrated: the
     calibration family, its traces, its sampled answers and one GPTQ step per layer before them)."""
     extra = config.num_layers + 3 if calibrated else 0
-    return (config.num_layers + extra + len({graph_file(kind, shape) for _n, kind, shape in options.shapes()}) + 2
+    files = {graph_file(kind, shape, cpu=cpu) for _n, kind, shape in options.shapes()}
+    return (config.num_layers + extra + len(files) + 2
             + (len(segment_shapes(options.shapes())) if segments_supported(config) else 0))

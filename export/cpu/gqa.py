@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+from onnx import TensorProto
 
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import Role, buffer_name
@@ -31,6 +32,11 @@ if TYPE_CHECKING:
 MS_DOMAIN = "com.microsoft"
 ROPE_COS, ROPE_SIN = "rope_cos_half", "rope_sin_half"
 LOCAL = "_local"  # suffix of the local layers' caches and row counts
+
+
+def rope_suffix(kv_dtype: str) -> str:
+    """The op's cos/sin caches have its compute type (the cache's): float16 tables are stored apart."""
+    return "_f16" if kv_dtype == "float16" else ""
 
 
 def rope_tables(config: ModelConfig, *, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -47,7 +53,9 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     # A local layer: its own RoPE caches and row counts (its buffers hold its newest rows only), and a window
     local = c.is_local(layer)
     suffix = LOCAL if local else ""
-    rope_cos, rope_sin = g.weight(ROPE_COS + suffix), g.weight(ROPE_SIN + suffix)
+    # the op's own RoPE computes in its cache's type; RotaryEmbedding before it (op_rotates) in float32
+    tables = suffix + (rope_suffix(graph.options.kv_dtype) if op_rotates(c) else "")
+    rope_cos, rope_sin = g.weight(ROPE_COS + tables), g.weight(ROPE_SIN + tables)
     window = {"local_window_size": c.local_window} if local else {}  # the keys a query sees, itself included
     qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
     if c.attention_bias:
@@ -64,6 +72,9 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
                     for t, n in ((q, c.num_heads), (k, c.num_kv_heads)))
         qkv_inputs = [q, k, v]
     past_k, past_v = buffer_name(Role.PAST_KEY, layer), buffer_name(Role.PAST_VALUE, layer)
+    half = graph.options.kv_dtype == "float16"  # the op computes in its cache's type: cast at its boundary only
+    if half:
+        qkv_inputs = [g.op("Cast", t, to=TensorProto.FLOAT16) if t else t for t in qkv_inputs]
     inputs = [*qkv_inputs, past_k, past_v, Role.SEQLENS_K.value + suffix, Role.TOTAL_LENGTH.value + suffix,
               rope_cos if inner_rope else "", rope_sin if inner_rope else "",
               Role.POSITION_IDS.value if inner_rope else "",
@@ -72,7 +83,8 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     g.op("GroupQueryAttention", *inputs, domain=MS_DOMAIN, outputs=outputs, num_heads=c.num_heads,
          kv_num_heads=c.num_kv_heads, do_rotary=int(inner_rope), rotary_interleaved=0, scale=c.attention_scale,
          **window)
-    return graph.linear(outputs[0], f"l{layer}.o")
+    out = g.op("Cast", outputs[0], to=TensorProto.FLOAT) if half else outputs[0]  # [B, AR, H D]
+    return graph.linear(out, f"l{layer}.o")
 
 
 def op_rotates(config: ModelConfig) -> bool:

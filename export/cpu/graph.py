@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from staticlm.export.graph.llama import LlamaGraph
 from staticlm.export.weight_file import WeightFileWriter
@@ -36,6 +36,7 @@ PAST_DIM = "past_len"
 BIAS_DIM = "past_len_plus_ar"
 LOCAL_PAST_DIM, LOCAL_BIAS_DIM, LOCAL_ROWS_DIM = "local_past_len", "local_past_len_plus_ar", "local_kv_rows"
 ROWS_DIM = "kv_rows"
+BATCH_DIM, AR_DIM, SCORED_DIM, LOGIT_ROWS_DIM = "batch", "ar", "scored_rows", "logit_rows"
 
 
 class CpuLlamaGraph(LlamaGraph):
@@ -87,7 +88,7 @@ class CpuLlamaGraph(LlamaGraph):
         """Rows of the head's table (tied) or the embedding's own, read by GatherBlockQuantized from the packed
         bytes [V, K/block, blob] viewed as [V, hidden bits/8] (no copy), plus the block offsets of a grid type
         with minima."""
-        g, c, s = self.g, self.c, self.s
+        g, c = self.g, self.c
         plan = self.plans[EMBED]
         (part,) = plan.parts
         if part.bits == FLOAT_BITS:
@@ -103,9 +104,9 @@ class CpuLlamaGraph(LlamaGraph):
             return rows
         blocks = c.hidden_size // OFFSET_BLOCK
         offsets = g.op("Transpose", g.op("Gather", g.weight(plan.offsets), ids, axis=1), perm=[1, 2, 0])  # [B, AR, nb]
-        rows = g.op("Reshape", rows, g.const([s.batch, s.ar, blocks, OFFSET_BLOCK]))
+        rows = g.op("Reshape", rows, g.const([0, 0, blocks, OFFSET_BLOCK]))
         rows = g.op("Add", rows, g.op("Unsqueeze", offsets, g.const([-1])))
-        return g.op("Reshape", rows, g.const([s.batch, s.ar, c.hidden_size]))
+        return g.op("Reshape", rows, g.const([0, 0, c.hidden_size]))
 
     def _alias(self, stored: str, alias: str, shape: tuple[int, ...]) -> str:
         """Another name and shape over the same bytes of the weight file (no copy)."""
@@ -137,32 +138,45 @@ class CpuLlamaGraph(LlamaGraph):
         gqa = self.options.attention is CpuAttention.GQA
         if self.last_logits_only and not gqa:
             raise ValueError("last-row logits need the in-place layout (its query_seqlens input)")
-        inputs, outputs = (in_place_graph_io(c, s, last_logits_only=self.last_logits_only) if gqa
-                           else graph_io(c, s))
+        inputs, outputs = (in_place_graph_io(c, s, last_logits_only=self.last_logits_only,
+                                             kv_dtype=self.options.kv_dtype) if gqa else graph_io(c, s))
         h = self.scale_embedding(self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
         h = (gqa_decoder if gqa else windows_decoder)(self, h)  # [B, AR, hidden]
-        h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))  # [B AR, hidden]
-        rows = s.ar
-        if self.last_logits_only:  # row b AR + query_seqlens[b] - 1 of each sequence b
-            last = g.op("Sub", g.op("Cast", Role.QUERY_LENGTHS.value, to=TensorProto.INT64), g.const([1], np.int64))
-            h = g.op("Gather", h, g.op("Add", last, g.const(np.arange(s.batch) * s.ar, np.int64)), axis=0)
-            rows = 1
-        g.op("Reshape", self.lm_head(h), g.const([s.batch, rows, c.vocab_size]), outputs=[Role.LOGITS.value])
+        h = g.op("Reshape", h, g.const([-1, c.hidden_size]))  # [B AR, hidden]
+        if gqa:  # the rows the caller asks for: [B R, hidden] (R = 1 for a prompt chunk, AR to verify)
+            h = g.op("Gather", h, Role.LOGITS_INDEX.value, axis=0)
+            batch = g.op("Slice", g.op("Shape", Role.INPUT_IDS.value), g.const([0]), g.const([1]))  # [1]: B
+            logits_shape = g.op("Concat", batch, g.const([-1, c.vocab_size]), axis=0)  # [B, R, V]
+        else:
+            logits_shape = g.const([s.batch, s.ar, c.vocab_size])
+        g.op("Reshape", self.lm_head(h), logits_shape, outputs=[Role.LOGITS.value])
+        doc = "any batch and rows" if gqa else f"AR={s.ar}"
         model = g.model(name=name, inputs=inputs, outputs=outputs,
-                        doc=f"staticlm {name} (cpu): AR={s.ar}, P<={s.past_len}, S={s.context}")
+                        doc=f"staticlm {name} (cpu): {doc}, P<={s.past_len}, S={s.context}")
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
         (_make_rows_symbolic if gqa else _make_past_symbolic)(model, c)
         return model
 
 
 def _make_rows_symbolic(model: onnx.ModelProto, config: ModelConfig) -> None:
-    """In-place buffers [B, Hkv, C, D] -> [B, Hkv, kv_rows, D]: the kv_manager chooses C (a local layer's buffers:
-    local_kv_rows, their own count)."""
+    """Batch, rows and buffer capacity symbolic: one file serves every (batch, AR) shape. In-place buffers
+    [B, Hkv, C, D] -> [batch, Hkv, kv_rows, D]: the kv_manager chooses C (a local layer's buffers: local_kv_rows,
+    their own count)."""
+    buffers = tuple(f"{r.value}_" for r in (Role.PAST_KEY, Role.PAST_VALUE, Role.PRESENT_KEY, Role.PRESENT_VALUE))
+    step_rows = {Role.INPUT_IDS.value, Role.POSITION_IDS.value}  # [B, AR]
     for value in (*model.graph.input, *model.graph.output):
-        if value.name.startswith(tuple(f"{r.value}_" for r in (Role.PAST_KEY, Role.PAST_VALUE, Role.PRESENT_KEY,
-                                                                  Role.PRESENT_VALUE))):
+        dims = value.type.tensor_type.shape.dim
+        if value.name.startswith(buffers):
             local = config.is_local(int(value.name.rsplit("_", 1)[1]))  # past_key_{layer}
-            value.type.tensor_type.shape.dim[2].dim_param = LOCAL_ROWS_DIM if local else ROWS_DIM
+            dims[0].dim_param, dims[2].dim_param = BATCH_DIM, LOCAL_ROWS_DIM if local else ROWS_DIM
+        elif value.name in step_rows:
+            dims[0].dim_param, dims[1].dim_param = BATCH_DIM, AR_DIM
+        elif value.name == Role.LOGITS_INDEX.value:
+            dims[0].dim_param = SCORED_DIM
+        elif value.name == Role.LOGITS.value:
+            dims[0].dim_param, dims[1].dim_param = BATCH_DIM, LOGIT_ROWS_DIM
+        elif len(dims) == 1:  # seqlens_k, query_seqlens [B]
+            dims[0].dim_param = BATCH_DIM
 
 
 def _make_past_symbolic(model: onnx.ModelProto, config: ModelConfig) -> None:

@@ -1,8 +1,10 @@
 """The CPU target's export options: weight bits, blocks, the correction rows and the attention body."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import platform
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from pathlib import Path
 
 from staticlm.export.gptq.options import GptqOptions
 from staticlm.runtime.family.contract import KVLayout
@@ -25,6 +27,27 @@ class GridMinima(str, Enum):
     # rounded there to the node's bits: weights within a small fraction of a step, two small nodes per linear
     # fewer (the offsets' Reshape, ReduceSum, MatMul and Add against the rows' MatMul and Concat)
     FOLDED = "folded"
+
+
+KV_DTYPES = ("float16", "float32")
+
+
+def default_kv_dtype() -> str:
+    """float16 where the CPU computes in half precision (ARM64's FP16 extension, x86's AVX512-FP16), float32 elsewhere.
+
+    GroupQueryAttention runs in its cache's type, and where the CPU has no half-precision arithmetic ORT converts
+    every row it reads: float16 KV halves the cache's memory there but slows each step (`staticlm bench` shows
+    both); `--kv-dtype` chooses either anywhere.
+    """
+    machine = platform.machine().lower()
+    if machine == "arm64":  # Apple silicon: FP16 arithmetic on every core
+        return "float16"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    flags = {f for line in text.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
+    return "float16" if flags & {"asimdhp", "fphp", "avx512fp16"} else "float32"
 
 
 class WeightBits(IntEnum):
@@ -59,11 +82,20 @@ class CpuOptions:
     # (`down` the most).
     corrected: frozenset[str] = frozenset({"qkv", "o", "gate_up", "down"})
     attention: CpuAttention = CpuAttention.GQA
+    # The in-place KV buffers' element type (GroupQueryAttention computes in it): float16 halves KV memory and
+    # the bytes a step reads where the CPU has half-precision arithmetic (default_kv_dtype)
+    kv_dtype: str = field(default_factory=default_kv_dtype)
     grid_minima: GridMinima = GridMinima.EXACT  # layer linears only; the head keeps its minima exact
     # `--calib`: the float projections GPTQ-rounded on recorded calibration traces (export/gptq/), kept as grids
     # (no correction rows: GPTQ already carries each block's error onto the rest); None: nearest rounding
     gptq: GptqOptions | None = None
     calib_steps: int = 96  # recorded decoding steps, as `--target htp` records them
+
+    def __post_init__(self) -> None:
+        if self.attention is CpuAttention.WINDOWS:  # the window strategies' caches are float32
+            object.__setattr__(self, "kv_dtype", "float32")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
 
     def corrects(self, weight: str, k: int) -> bool:
         """Whether layer weight `l{i}.{kind}` with K inputs carries correction rows (they must start a new block)."""
@@ -84,5 +116,5 @@ class CpuOptions:
                 "corrected": sorted(self.corrected) if self.block_correction else [],
                 "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
                 "accuracy_level": self.accuracy_level, "attention": self.attention.value,
-                "grid_minima": self.grid_minima.value,
+                "grid_minima": self.grid_minima.value, "kv_dtype": self.kv_dtype,
                 **({"gptq": self.gptq.to_dict(), "calib_steps": self.calib_steps} if self.gptq else {})}

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, Role, buffer_name, kv_name
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, file_sha256
@@ -64,26 +64,35 @@ class SegmentCpuGraph(CpuLlamaGraph):
         b, hkv, d = s.batch, c.num_kv_heads, c.head_dim
         q, k, v = qkv_heads(self, layer, x, rope=rope)  # [B, Hkv, g AR, D], [B, Hkv, AR, D] x 2
         for t, role in ((k, Role.NEW_KEY), (v, Role.NEW_VALUE)):  # the new rows, one [1, 1, AR, D] per slot
-            rows = g.op("Reshape", t, g.const([b * hkv, 1, s.ar, d]))  # [B Hkv, 1, AR, D], same bytes
+            rows = g.op("Reshape", self._stored(t), g.const([b * hkv, 1, s.ar, d]))  # [B Hkv, 1, AR, D], same bytes
             _split(self, rows, b * hkv, axis=0,
                    outputs=[kv_name(role, layer, h, seq) for seq in range(b) for h in range(hkv)])
         q_heads = _split(self, q, hkv, axis=1)  # each [B, 1, g AR, D]
         alpha = c.attention_scale
-        s_prompt = _cat(self, [g.op("FusedMatMul", q_heads[h], kv_name(Role.PROMPT_KEY, layer, h), domain=MS_DOMAIN,
-                                    transB=1, alpha=alpha) for h in range(hkv)], axis=1)  # [B, Hkv, g AR, Pp]
+        s_prompt = _cat(self, [g.op("FusedMatMul", q_heads[h], self._read(kv_name(Role.PROMPT_KEY, layer, h)),
+                                    domain=MS_DOMAIN, transB=1, alpha=alpha) for h in range(hkv)],
+                        axis=1)  # [B, Hkv, g AR, Pp]
         # the response buffer, every sequence and head in one product, read in place (transB: no Transpose)
-        s_resp = g.op("FusedMatMul", q, buffer_name(Role.PAST_KEY, layer), domain=MS_DOMAIN, transB=1,
+        s_resp = g.op("FusedMatMul", q, self._read(buffer_name(Role.PAST_KEY, layer)), domain=MS_DOMAIN, transB=1,
                       alpha=alpha)  # [B, Hkv, g AR, P]
         s_new = g.op("FusedMatMul", q, k, domain=MS_DOMAIN, transB=1, alpha=alpha)  # [B, Hkv, g AR, AR]
         masked = g.op("Add", g.op("Concat", s_resp, s_new, axis=-1), bias)  # [B, Hkv, g AR, P + AR]
         probs = g.op("Softmax", g.op("Concat", s_prompt, masked, axis=-1), axis=-1)  # [B, Hkv, g AR, Pp + P + AR]
         p_prompt, p_resp, p_new = g.op("Split", probs, self._sizes(), axis=-1, num_outputs=3)
         pp_heads = _split(self, p_prompt, hkv, axis=1)
-        o_prompt = _cat(self, [g.op("MatMul", pp_heads[h], kv_name(Role.PROMPT_VALUE, layer, h))
+        o_prompt = _cat(self, [g.op("MatMul", pp_heads[h], self._read(kv_name(Role.PROMPT_VALUE, layer, h)))
                                for h in range(hkv)], axis=1)  # [B, Hkv, g AR, D]
-        o_resp = g.op("MatMul", p_resp, buffer_name(Role.PAST_VALUE, layer))  # [B, Hkv, g AR, D]
+        o_resp = g.op("MatMul", p_resp, self._read(buffer_name(Role.PAST_VALUE, layer)))  # [B, Hkv, g AR, D]
         o = g.op("Add", g.op("Add", o_prompt, o_resp), g.op("MatMul", p_new, v))
         return self.linear(from_heads(self, o), f"l{layer}.o")
+
+    def _read(self, kv: str) -> str:
+        """A KV input in float32: float16 KV (the prompt cache's type) is cast where the attention reads it."""
+        return kv if self.options.kv_dtype == "float32" else self.g.op("Cast", kv, to=TensorProto.FLOAT)
+
+    def _stored(self, rows: str) -> str:
+        """New K/V rows in the cache's element type."""
+        return rows if self.options.kv_dtype == "float32" else self.g.op("Cast", rows, to=TensorProto.FLOAT16)
 
     def decoder(self, h: str) -> str:
         g, c = self.g, self.c
@@ -98,7 +107,7 @@ class SegmentCpuGraph(CpuLlamaGraph):
 
     def build(self, name: str) -> onnx.ModelProto:
         g, c, s = self.g, self.c, self.s
-        inputs, outputs = segment_graph_io(c, s)
+        inputs, outputs = segment_graph_io(c, s, kv_dtype=self.options.kv_dtype)
         h = self.decoder(self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
         h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))
         g.op("Reshape", self.lm_head(h), g.const([s.batch, s.ar, c.vocab_size]), outputs=[Role.LOGITS.value])
@@ -149,7 +158,7 @@ def export_segment_graphs(config, shapes: list[tuple[str, GraphKind, GraphShape]
         file = f"{name}.onnx"
         proto = SegmentCpuGraph(config, shape, weights=writer, options=cpu, plans=plans).build(name)
         onnx.save_model(proto, work / file)
-        inputs, outputs = segment_graph_io(config, shape)
+        inputs, outputs = segment_graph_io(config, shape, kv_dtype=cpu.kv_dtype)
         entries.append(GraphEntry(name=name, file=file, kind=GraphKind.SEGMENT, shape=shape, inputs=inputs,
                                   outputs=outputs, sha256=file_sha256(work / file)))
         on_step(file)

@@ -37,6 +37,9 @@ class Role(str, Enum):
     SEQLENS_K = "seqlens_k"  # [B] int32: rows cached after this step, minus one (ORT's convention)
     TOTAL_LENGTH = "total_sequence_length"  # scalar int32: an upper bound of those rows
     QUERY_LENGTHS = "query_seqlens"  # [B] int32: real rows of this step's AR (the rest is right padding)
+    # [B R] int64: which of the step's B AR rows the head scores (flat, row-major), R a sequence: a graph whose
+    # batch and rows are symbolic serves decode, prompt chunks (R = 1: the last real row) and verify (R = AR)
+    LOGITS_INDEX = "logits_index"
     SEQLENS_K_LOCAL = "seqlens_k_local"  # the same two for the local layers' buffers (their newest rows only)
     TOTAL_LENGTH_LOCAL = "total_sequence_length_local"
     PRESENT_KEY = "present_key"
@@ -158,15 +161,19 @@ def buffer_name(role: Role, layer: int) -> str:
     return f"{role.value}_{layer}"
 
 
-def in_place_graph_io(config: ModelConfig, shape: GraphShape, *, last_logits_only: bool = False
+def in_place_graph_io(config: ModelConfig, shape: GraphShape, *, last_logits_only: bool = False,
+                      kv_dtype: str = "float32", logits_index: bool = True
                       ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Inputs and outputs of a KVLayout.IN_PLACE graph; buffers in (layer, K then V) order.
 
     The buffers' row count is the kv_manager's capacity (symbolic in the graph file); the manifest records the
     graph's context there. last_logits_only: logits [B, 1, V] of each sequence's last real row (a prompt
     chunk needs no other; the head is a fifth of SmolLM2's weights, so scoring every row is a large share of a chunk).
+    logits_index: the rows scored are an input (one graph file serves every batch and row count); families
+    exported before it chose them inside each (batch, AR) graph.
     """
     b, ar, d, hkv = shape.batch, shape.ar, config.head_dim, config.num_kv_heads
+    logit_rows = 1 if last_logits_only else ar
     inputs = [
         TensorSpec("input_ids", Role.INPUT_IDS, "int64", (b, ar)),
         TensorSpec("position_ids", Role.POSITION_IDS, "int64", (b, ar)),
@@ -174,14 +181,15 @@ def in_place_graph_io(config: ModelConfig, shape: GraphShape, *, last_logits_onl
         TensorSpec("total_sequence_length", Role.TOTAL_LENGTH, "int32", ()),
         TensorSpec("query_seqlens", Role.QUERY_LENGTHS, "int32", (b,)),
     ]
+    if logits_index:
+        inputs.append(TensorSpec("logits_index", Role.LOGITS_INDEX, "int64", (b * logit_rows,)))  # [B R]
     if config.local_layers:  # the local layers' buffers hold their own rows
         inputs += [TensorSpec("seqlens_k_local", Role.SEQLENS_K_LOCAL, "int32", (b,)),
                    TensorSpec("total_sequence_length_local", Role.TOTAL_LENGTH_LOCAL, "int32", ())]
-    logit_rows = 1 if last_logits_only else ar
     outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, logit_rows, config.vocab_size))]  # [B, AR|1, V]
     for layer in range(config.num_layers):
         for past, present in ((Role.PAST_KEY, Role.PRESENT_KEY), (Role.PAST_VALUE, Role.PRESENT_VALUE)):
             rows = (b, hkv, shape.context, d)  # [B, Hkv, C, D]
-            inputs.append(TensorSpec(buffer_name(past, layer), past, "float32", rows, layer))
-            outputs.append(TensorSpec(buffer_name(present, layer), present, "float32", rows, layer))
+            inputs.append(TensorSpec(buffer_name(past, layer), past, kv_dtype, rows, layer))
+            outputs.append(TensorSpec(buffer_name(present, layer), present, kv_dtype, rows, layer))
     return tuple(inputs), tuple(outputs)

@@ -14,9 +14,10 @@ from .contract import GraphShape, KVLayout, Role, TensorSpec, num_kv_tensors
 from .quant_params import FamilyQuant, Quant, QuantParamsError
 
 MAGIC = "staticlm-family"
-# 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target)
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # older families are still valid as written
+# 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target);
+# 4: a cpu family's one in-place graph serves every shape (logits_index); older ones load as before
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # older families are still valid as written
 MANIFEST_NAME = "manifest.json"
 
 
@@ -99,6 +100,13 @@ class Manifest:
         """The ladder of one kind and batch size, smallest past window first."""
         return tuple(sorted((g for g in self.graphs if g.kind == kind and g.shape.batch == batch),
                             key=lambda g: g.shape.past_len))
+
+    @property
+    def target(self) -> str:
+        """What the family was exported for: "cpu", "htp", or "" (the float family)."""
+        if self.quantization is not None:
+            return "htp"
+        return str(self.extra.get("target", ""))
 
     @property
     def runs_on_htp(self) -> bool:

@@ -22,9 +22,10 @@ from .contract import GraphShape, IODtypes, Role, TensorSpec, buffer_name, kv_na
 PROMPT_ROLES = (Role.PROMPT_KEY, Role.PROMPT_VALUE)
 
 
-def segment_graph_io(config: ModelConfig, shape: GraphShape) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def segment_graph_io(config: ModelConfig, shape: GraphShape, *, kv_dtype: str = "float32"
+                     ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Inputs and outputs of a segmented graph (shape.past_len labels the response buffer's rows and the prompt's
-    length; both are symbolic in the file)."""
+    length; both are symbolic in the file); KV in the prompt cache's element type, kv_dtype."""
     b, ar, p, d, hkv = shape.batch, shape.ar, shape.past_len, config.head_dim, config.num_kv_heads
     if b < 2:
         raise ValueError(f"a segmented graph is batched, got batch {b}")
@@ -38,10 +39,10 @@ def segment_graph_io(config: ModelConfig, shape: GraphShape) -> tuple[tuple[Tens
     for layer in range(config.num_layers):
         for past, new, prompt in ((Role.PAST_KEY, Role.NEW_KEY, Role.PROMPT_KEY),
                                   (Role.PAST_VALUE, Role.NEW_VALUE, Role.PROMPT_VALUE)):
-            inputs.append(TensorSpec(buffer_name(past, layer), past, "float32", (b, hkv, p, d), layer))
+            inputs.append(TensorSpec(buffer_name(past, layer), past, kv_dtype, (b, hkv, p, d), layer))
             for h in range(hkv):  # above: [B, Hkv, P, D]; here: [P_prompt, D]
-                inputs.append(TensorSpec(kv_name(prompt, layer, h), prompt, "float32", (p, d), layer, h))
-                outputs += [TensorSpec(kv_name(new, layer, h, seq), new, "float32", (1, 1, ar, d), layer, h, seq)
+                inputs.append(TensorSpec(kv_name(prompt, layer, h), prompt, kv_dtype, (p, d), layer, h))
+                outputs += [TensorSpec(kv_name(new, layer, h, seq), new, kv_dtype, (1, 1, ar, d), layer, h, seq)
                             for seq in range(b)]  # [1, 1, AR, D]
     return tuple(inputs), tuple(outputs)
 

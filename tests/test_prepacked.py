@@ -1,0 +1,139 @@
+"""One copy of a CPU family's weights: every session maps one packed file, one session serves every in-place shape,
+and a machine short of memory is told before any session opens."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
+
+from staticlm.runtime.device import Device, DeviceOptions
+from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.prepacked import PACKED_FILE, packed_bytes, store_dir
+
+CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
+
+
+def _export(hf_dir: Path, out: Path, **cpu_kw) -> Path:
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.graph import CpuOptions
+    from staticlm.export.family import ExportOptions
+    from staticlm.export.sources import load_model
+
+    export_cpu_family(load_model(hf_dir), out, cpu=CpuOptions(**cpu_kw),
+                      options=ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,),
+                                            batch_sizes=(2,)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def families(tiny_hf_dir, tmp_path_factory) -> dict[str, Path]:
+    from staticlm.export.cpu.graph import CpuAttention
+
+    root = tmp_path_factory.mktemp("prepacked")
+    return {"gqa": _export(tiny_hf_dir, root / "gqa"),
+            "windows": _export(tiny_hf_dir, root / "windows", attention=CpuAttention.WINDOWS)}
+
+
+def _store(family: Path) -> Path:
+    from staticlm.runtime.family.manifest import load_manifest
+
+    return store_dir(family, load_manifest(family).weights_sha256)
+
+
+def _external(model: onnx.ModelProto) -> dict[str, dict[str, str]]:
+    return {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL}
+
+
+def test_one_session_serves_every_in_place_shape(families):
+    from staticlm.runtime.batch import BatchGenerator  # noqa: F401 -- the batched engine is made the same way
+
+    engine = Engine(families["gqa"], options=CPU)
+    engine.warm_up()  # decode, the prompt chunk and the verify graph
+    engine.prefill(list(range(3, 3 + 2 * TINY_PREFILL + 3)))
+    engine.verify(np.array([5, 6, 7]))
+    batch = Engine(families["gqa"], options=CPU, batch=2, weights_from=engine)
+    batch.load_prefix(engine)
+    batch.decode_batch(np.array([5, 6]), active=np.ones(2, bool))
+    assert set(engine._sessions) == {families["gqa"] / "in_place.onnx"}
+    assert batch._sessions is engine._sessions
+
+
+def test_sessions_read_the_packed_file_and_graphs_share_its_blobs(families):
+    family = families["windows"]  # a file per (batch, AR): the store keeps their common weights once
+    engine = Engine(family, options=CPU)
+    engine.prefill(list(range(3, 3 + TINY_PREFILL + 1)))  # the prompt-chunk graph, then a decode graph
+    store = _store(family)
+    graphs = sorted(store.glob("*.onnx"))
+    assert len(graphs) >= 2
+    size = packed_bytes(store)
+    engine.load_all()  # every other graph of the family: their weights are the same bytes
+    assert packed_bytes(store) <= size + (64 << 10) * len(list(store.glob("*.onnx")))
+    for path in store.glob("*.onnx"):
+        model = onnx.load(str(path), load_external_data=False)
+        external = _external(model)
+        assert {e["location"] for e in external.values()} == {PACKED_FILE}  # never weights.bin
+        packed = {n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"}
+        assert packed and all(any(k.startswith("prepacked") for k in external[name]) for name in packed), path
+
+
+def test_the_stored_graph_computes_what_the_source_graph_computes(families, rng):
+    """The store relocates every tensor and packed blob: ORT on the rewritten graph against ORT on the source."""
+    family = families["gqa"]
+    Engine(family, options=CPU).warm_up()
+    source = graph_path(family, "decode", ar=1)
+    stored = _store(family) / source.name
+    from staticlm.runtime.family.manifest import load_manifest
+
+    cfg = load_manifest(family).model
+    rows, hkv, d = 8, cfg.num_kv_heads, cfg.head_dim
+    feeds = {"input_ids": np.array([[7, 9, 11]]), "position_ids": np.array([[5, 6, 7]]),
+             "seqlens_k": np.array([7], np.int32), "total_sequence_length": np.array(8, np.int32),
+             "query_seqlens": np.array([3], np.int32), "logits_index": np.array([0, 1, 2])}
+    for layer in range(cfg.num_layers):
+        for kind in ("key", "value"):
+            feeds[f"past_{kind}_{layer}"] = rng.standard_normal((1, hkv, rows, d)).astype(np.float32)
+    outputs = {}
+    for path in (source, stored):
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        outputs[path] = session.run(None, feeds)
+    for got, want in zip(outputs[stored], outputs[source], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_store_cut_short_is_rebuilt(families):
+    family = families["gqa"]
+    ids = list(range(3, 3 + TINY_PREFILL + 5))
+    first = Engine(family, options=CPU).prefill(ids)
+    store = _store(family)
+    packed = store / PACKED_FILE
+    with open(packed, "r+b") as f:
+        f.truncate(packed.stat().st_size // 2)
+    again = Engine(family, options=CPU).prefill(ids)
+    np.testing.assert_array_equal(again, first)
+    assert packed.stat().st_size > 0
+
+
+def test_a_machine_short_of_memory_is_told_before_any_session(families, monkeypatch):
+    import psutil
+
+    from staticlm.errors import UserError
+    from staticlm.runtime.device import create_session  # noqa: F401 -- must not be reached
+    from staticlm.runtime.family.manifest import load_manifest
+
+    class Small:
+        available = 1000
+
+    opened = []
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Small())
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: opened.append(a))
+    with pytest.raises(UserError) as err:
+        Engine(families["gqa"], options=CPU)
+    message = str(err.value)
+    weights = load_manifest(families["gqa"]).weights_bytes
+    assert "\n" not in message and "needs about" in message and f"{weights / 1e9:.2f} GB" in message
+    assert not opened
