@@ -20,7 +20,7 @@ from staticlm.apps.commands.export import run_export_command
 from staticlm.apps.commands.generate import Interrupted, run_generate
 from staticlm.apps.gui.app import launch
 from staticlm.apps.serve.command import run_serve
-from staticlm.apps.serve.options import DEFAULT_MAX_BODY_BYTES, ServeOptions
+from staticlm.apps.serve.options import REASONING_FORMATS, ServeOptions
 from staticlm.errors import UserError
 from staticlm.runtime.options import RunOptions, flag, run_option_fields, spec, value_type
 
@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
-                       "/v1/models, /health, /metrics) with continuous batching; needs the serve extra")
+    s = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, "
+                       "/v1/completions, /v1/responses, /v1/messages, /v1/models, /health, /metrics) with continuous "
+                       "batching; needs the serve extra")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every endpoint but /health")
@@ -158,8 +159,21 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="allow browser calls from this origin (repeatable; default: CORS off)")
     s.add_argument("--max-queue", type=int, default=ServeOptions.max_queue,
                    help=f"requests that may wait for a batch row; past it, 429 (default {ServeOptions.max_queue})")
-    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help=f"largest request body; past it, 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body; past it, 413 (default: 32 bytes per context token + 64 KiB)")
+    s.add_argument("--header-timeout", type=float, default=ServeOptions.header_timeout_s,
+                   help="seconds a connection has to send its request headers "
+                        f"(default {ServeOptions.header_timeout_s:g})")
+    s.add_argument("--body-timeout", type=float, default=ServeOptions.body_timeout_s,
+                   help="seconds a request has to send its body; past it, 408 "
+                        f"(default {ServeOptions.body_timeout_s:g})")
+    s.add_argument("--max-connections", type=int, default=ServeOptions.max_connections,
+                   help=f"open connections; past it, new ones are closed (default {ServeOptions.max_connections})")
+    s.add_argument("--reasoning-format", choices=REASONING_FORMATS, default=ServeOptions.reasoning_format,
+                   help="auto/deepseek: a reasoning model's <think> text goes to reasoning_content; none: left in "
+                        "content (default auto)")
+    s.add_argument("--reasoning-budget", type=int, default=ServeOptions.reasoning_budget,
+                   help="reasoning tokens before </think> is forced (-1: no limit, the default; 0: thinking off)")
     s.add_argument("--no-prompt-cache", action="store_true",
                    help="prefill every prompt in full instead of reusing cached prefixes")
     s.add_argument("--model-id", default=None, help="the id /v1/models lists and requests name "
@@ -191,7 +205,12 @@ def dispatch(args: argparse.Namespace) -> int:
         return run_serve(options, ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
                                                cors=tuple(args.cors or ()), max_queue=args.max_queue,
                                                max_body_bytes=args.max_body_bytes,
-                                               prompt_cache=not args.no_prompt_cache, model_id=args.model_id))
+                                               prompt_cache=not args.no_prompt_cache, model_id=args.model_id,
+                                               header_timeout_s=args.header_timeout,
+                                               body_timeout_s=args.body_timeout,
+                                               max_connections=args.max_connections,
+                                               reasoning_format=args.reasoning_format,
+                                               reasoning_budget=args.reasoning_budget))
     raise AssertionError(args.command)
 
 

@@ -21,6 +21,12 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # OpenAI's: logit -= frequency * count + presence * (count > 0), counted over the tokens generated so far
+    # (history[num_prompt_tokens:]); logit_bias: (token id, bias) pairs added before any warper
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    num_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Messages name the CLI option, because that is where a bad value almost always comes from.
@@ -30,6 +36,10 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p < 1, f"--min-p must be in [0, 1), got {self.min_p}"),
             (self.repetition_penalty > 0, f"--repetition-penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
         )
         for ok, message in checks:
             if not ok:  # also catches NaN, for which every comparison is False
@@ -40,8 +50,29 @@ class SamplingParams:
         return self.temperature == 0
 
 
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
 def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
+
+
+def adjusted_logits(logits: np.ndarray, *, generated: Sequence[int], presence: float = 0.0, frequency: float = 0.0,
+                    bias: Sequence[tuple[int, float]] = ()) -> np.ndarray:
+    """OpenAI's penalties and logit_bias over logits [V], as a float64 copy: a token generated c times loses
+    frequency * c + presence (when c > 0), a biased token gains its bias. Ids outside the vocabulary are ignored."""
+    out = np.array(logits, dtype=np.float64).reshape(-1)  # [V], a copy: the caller's logits stay untouched
+    vocab = out.shape[0]
+    if presence or frequency:
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        keep = (ids >= 0) & (ids < vocab)
+        out[ids[keep]] -= frequency * counts[keep] + presence
+    for token, value in bias:
+        if 0 <= token < vocab:
+            out[token] += value
+    return out
 
 
 def _penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
@@ -95,6 +126,9 @@ def _filtered(logits: np.ndarray, params: SamplingParams,
               history: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | int:
     """The candidate ids and their probabilities after every warper, or the token when greedy."""
     logits = np.asarray(logits).reshape(-1)
+    if params.adjusts_logits:
+        logits = adjusted_logits(logits, generated=history[params.num_prompt_tokens:], bias=params.logit_bias,
+                                 presence=params.presence_penalty, frequency=params.frequency_penalty)
     if params.repetition_penalty != 1.0 and len(history):
         scores = _penalize(logits, history, params.repetition_penalty)  # float64, a copy
     else:
@@ -167,4 +201,4 @@ def distribution(logits: np.ndarray, params: SamplingParams, *, history: Sequenc
     return out
 
 
-__all__ = ["SamplingParams", "sample", "greedy", "distribution"]
+__all__ = ["SamplingParams", "adjusted_logits", "distribution", "greedy", "sample"]

@@ -39,7 +39,9 @@ class Tokenizer:
         return cls(tok, bos_token_id=bos_token_id, eos_token_ids=eos_token_ids, add_bos_token=add_bos_token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it runs (encode holds it throughout): a server that tokenizes a long
+        # prompt on a worker thread keeps answering its other requests meanwhile
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos_token and self._bos is not None and not self._post_adds_bos:
             ids = [self._bos, *ids]
         return list(ids)

@@ -32,3 +32,57 @@ def wait_idle(base: str, *, timeout: float = 5.0) -> dict:
         if (h["rows_in_use"] == 0 and h["waiting"] == 0) or time.monotonic() > deadline:
             return h
         time.sleep(0.02)
+
+
+@contextmanager
+def logged_server(model_dir: Path, log: Path, *args: str):
+    """Like running_server, with the server's output written to `log` (for tests of what it logs)."""
+    import os
+    import subprocess
+
+    port = free_port()
+    cmd = serve_command("--model", str(model_dir), "--port", str(port), "--device", "cpu", "--threads", "2", *args)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"staticlm serve exited: {log.read_text()[-500:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("staticlm serve did not start")
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def raw_exchange(sock, request: bytes, *, timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 request on an open socket, its answer read by Content-Length: (status, headers, body)."""
+    sock.settimeout(timeout)
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before an answer: {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", 0)):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split()[1]), headers, body

@@ -443,3 +443,21 @@ def test_serve_takes_every_run_option_and_its_own_flags():
     assert RunOptions(**cli.typed_run_options(args)) == RunOptions(**TYPED)
     assert (args.host, args.port, args.api_key, args.cors, args.no_prompt_cache, args.max_queue) == \
         ("127.0.0.1", 9, "k", ["a", "b"], True, 3)
+
+
+def test_with_a_key_401_comes_before_the_body_and_x_api_key_is_the_same_key(guarded):
+    import socket
+
+    from serve_helpers import raw_exchange
+
+    host, port = guarded.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # a body declared, never sent
+        status, _, body = raw_exchange(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                             b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n",
+                                       timeout=5)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    msg = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    assert _post(guarded, "/v1/chat/completions", msg, headers={"x-api-key": "s3cret"}).status_code == 200
+    _error(_post(guarded, "/v1/chat/completions", msg, headers={"x-api-key": "s3cre"}), 401)
+    # with a key, any Host name is answered (the key is what guards a server bound beyond loopback)
+    assert _post(guarded, "/v1/chat/completions", msg, headers={**KEY, "Host": "box.lan:8080"}).status_code == 200

@@ -1,94 +1,46 @@
-"""The FastAPI application: routes, the API key, the body cap, CORS, and OpenAI-shaped errors for everything."""
+"""The FastAPI application: routes, CORS, and OpenAI-shaped errors for everything (the checks every request
+passes first are guard.py's, the body's reading body.py's)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
+import sys
 import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .body import ClientGone, read_body
 from .errors import APIError, api_error
+from .guard import CLIENT_ABORT, BodyTimeout, Guard
 from .jobs import Job
+from .messages import CountRequest, MessagesRequest, message_response, message_stream, to_chat_request
 from .prepare import prepare_chat, prepare_completion
+from .responses import ResponsesRequest, prepare_response, response_answer, response_stream
 from .schemas import ChatRequest, CompletionRequest
 from .state import ServeState
 
-PUBLIC_PATHS = ("/health",)
-KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+def client_left(state: ServeState, request: Request, what: str) -> Response:
+    """A client abort: counted, one line on stderr, and an answer nobody reads (its status is what /metrics
+    counts)."""
+    state.metrics.client_aborts.inc()
+    client = request.client
+    who = f"{client.host}:{client.port}" if client else "a client"
+    print(f"staticlm serve: {who} left {what} ({request.method} {request.url.path})", file=sys.stderr, flush=True)
+    return Response(status_code=CLIENT_ABORT)
 
 
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
-
-
-def _authorized(request: Request, key: str) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-async def read_body(request: Request, model: type[BaseModel], *, max_bytes: int) -> BaseModel:
-    """The body parsed and validated: 413 past max_bytes (declared or read), 400 for bad JSON or a bad value."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
-        chunks.append(chunk)
+async def prepared(state: ServeState, prepare, body):
+    """prepare(state, body) on a worker thread: templates and tokenizing a long prompt take a while."""
     try:
-        data = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
-                       code="invalid_value") from None
-
-
-class Guard:
-    """ASGI middleware: the API key (constant-time compare) before anything runs, and the request counter."""
-
-    def __init__(self, app, *, key: str | None, state: ServeState) -> None:
-        self.app, self.key, self.state = app, key, state
-        # A browser's CORS preflight never carries credentials: with --cors it reaches the CORS middleware.
-        self.public_methods = ("OPTIONS",) if state.serve.cors else ()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = path if path in KNOWN_PATHS else "other"
-        status = {"code": 500}
-
-        async def counted_send(message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            public = path in PUBLIC_PATHS or scope["method"] in self.public_methods
-            if self.key is not None and not public and not _authorized(Request(scope), self.key):
-                error = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
-                await _error_response(error)(scope, receive, counted_send)
-            else:
-                await self.app(scope, receive, counted_send)
-        finally:
-            self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+        return await run_in_threadpool(prepare, state, body)
+    except Exception as e:  # noqa: BLE001 -- 400/404/429 before anything ran
+        raise api_error(e) from None
 
 
 def build_app(state: ServeState) -> FastAPI:
@@ -101,25 +53,34 @@ def build_app(state: ServeState) -> FastAPI:
 
     app = FastAPI(title="staticlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.model_id = state.model_id
-    key, max_bytes = state.serve.api_key, state.serve.max_body_bytes
+    max_bytes = state.max_body_bytes
 
     if state.serve.cors:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.serve.cors), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(Guard, key=key, state=state)  # outermost: the key is checked before anything else runs
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
+    app.add_middleware(Guard, state=state)  # outermost: its checks run before anything else
 
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, error: APIError):
-        return _error_response(error)
+    async def _api_error(request: Request, error: APIError):
+        return error.response(path=request.url.path)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, error: ClientGone):
+        return client_left(state, request, f"after {error.num_bytes} bytes of its body")
+
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(request: Request, _error: BodyTimeout):
+        return APIError(408, f"the request body did not arrive within {state.serve.body_timeout_s:g} s",
+                        code="request_timeout").response(path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, error: StarletteHTTPException):
+    async def _http_error(request: Request, error: StarletteHTTPException):
         kind = "not_found" if error.status_code == 404 else None
-        return _error_response(APIError(error.status_code, str(error.detail), code=kind))
+        return APIError(error.status_code, str(error.detail), code=kind).response(path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _any_error(_request: Request, error: Exception):
-        return _error_response(api_error(error))
+    async def _any_error(request: Request, error: Exception):
+        return api_error(error).response(path=request.url.path)
 
     @app.get("/health")
     async def health():
@@ -143,28 +104,62 @@ def build_app(state: ServeState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await read_body(request, ChatRequest, max_bytes=max_bytes)
-        try:
-            job = Job(state, prepare_chat(state, body), kind="chat")
-        except Exception as e:  # noqa: BLE001 -- 400/404/429 before anything ran
-            raise api_error(e) from None
+        job = submitted(state, await prepared(state, prepare_chat, body), kind="chat")
         if job.prep.stream:
             return _stream(job.chat_stream(_never), job)
         async with _closed_on_disconnect(request, job):
-            return await job.chat_response(_never)
+            answer = await job.chat_response(_never)
+        return answer or client_left(state, request, "before its answer was complete")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request, CompletionRequest, max_bytes=max_bytes)
-        try:
-            job = Job(state, prepare_completion(state, body), kind="text")
-        except Exception as e:  # noqa: BLE001 -- 400/404/429 before anything ran
-            raise api_error(e) from None
+        job = submitted(state, await prepared(state, prepare_completion, body), kind="text")
         if job.prep.stream:
             return _stream(job.completion_stream(_never), job)
         async with _closed_on_disconnect(request, job):
-            return await job.completion_response(_never)
+            answer = await job.completion_response(_never)
+        return answer or client_left(state, request, "before its answer was complete")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await read_body(request, MessagesRequest, max_bytes=max_bytes)
+        job = submitted(state, await prepared(state, _prepare_message, body), kind="message")
+        if body.stream:
+            return _stream(message_stream(job, _never), job)
+        async with _closed_on_disconnect(request, job):
+            answer = await message_response(job, _never)
+        return answer or client_left(state, request, "before its answer was complete")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = await read_body(request, CountRequest, max_bytes=max_bytes)
+        prep = await prepared(state, _prepare_message, body)
+        return {"input_tokens": len(prep.prompt_ids)}
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body = await read_body(request, ResponsesRequest, max_bytes=max_bytes)
+        prep, conversation = await prepared(state, prepare_response, body)
+        job = submitted(state, prep, kind="response")
+        if body.stream:
+            return _stream(response_stream(job, body, conversation, _never), job)
+        async with _closed_on_disconnect(request, job):
+            answer = await response_answer(job, body, conversation, _never)
+        return answer or client_left(state, request, "before its answer was complete")
 
     return app
+
+
+def _prepare_message(state: ServeState, body: MessagesRequest):
+    return prepare_chat(state, to_chat_request(body))
+
+
+def submitted(state: ServeState, prep, *, kind: str) -> Job:
+    try:
+        return Job(state, prep, kind=kind)
+    except Exception as e:  # noqa: BLE001 -- 400/429 before anything ran
+        raise api_error(e) from None
 
 
 @asynccontextmanager

@@ -9,7 +9,7 @@ from staticlm.apps.models import open_model
 from staticlm.errors import InvalidOption, UserError
 from staticlm.runtime.options import RunOptions
 
-from .options import LOOPBACK_HOSTS, ServeOptions
+from .options import LOOPBACK_HOSTS, MIN_BODY_BYTES, REASONING_FORMATS, ServeOptions
 
 
 class MissingExtra(UserError):
@@ -36,8 +36,19 @@ def check_serve_options(serve: ServeOptions) -> None:
         raise InvalidOption(f"--port must be in 1..65535, got {serve.port}")
     if serve.max_queue < 0:
         raise InvalidOption(f"--max-queue must be >= 0, got {serve.max_queue}")
-    if serve.max_body_bytes < 1024:
-        raise InvalidOption(f"--max-body-bytes must be >= 1024, got {serve.max_body_bytes}")
+    if serve.max_body_bytes is not None and serve.max_body_bytes < MIN_BODY_BYTES:
+        raise InvalidOption(f"--max-body-bytes must be >= {MIN_BODY_BYTES}, got {serve.max_body_bytes}")
+    for flag, value in (("--header-timeout", serve.header_timeout_s), ("--body-timeout", serve.body_timeout_s)):
+        if not value > 0:  # also NaN
+            raise InvalidOption(f"{flag} must be > 0 seconds, got {value}")
+    if serve.max_connections < 1:
+        raise InvalidOption(f"--max-connections must be >= 1, got {serve.max_connections}")
+    if serve.reasoning_format not in REASONING_FORMATS:
+        raise InvalidOption(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}, "
+                            f"got {serve.reasoning_format!r}")
+    if serve.reasoning_budget < -1:
+        raise InvalidOption(f"--reasoning-budget must be -1 (no limit), 0 (thinking off) or a number of tokens, "
+                            f"got {serve.reasoning_budget}")
 
 
 def check_port_free(serve: ServeOptions) -> None:
@@ -74,9 +85,13 @@ def run_serve(options: RunOptions, serve: ServeOptions) -> int:
     app = build_server(options, serve)
     import uvicorn
 
+    from .protocol import guarded_protocol
+
+    protocol = guarded_protocol(header_timeout_s=serve.header_timeout_s, max_connections=serve.max_connections)
     print(f"staticlm serve: {app.state.model_id} on http://{serve.host}:{serve.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=2)
+    uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=2,
+                http=protocol, timeout_keep_alive=serve.keep_alive_s)
     return 0
 
 

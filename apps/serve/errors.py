@@ -10,6 +10,9 @@ from staticlm.kv_manager import ContextFull
 from staticlm.runtime.scheduler import QueueFull
 
 RETRY_AFTER_S = 1
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error"}
 
 
 @dataclass
@@ -20,10 +23,23 @@ class APIError(Exception):
     param: str | None = None
     code: str | None = None
 
-    def body(self) -> dict:
+    def body(self, *, anthropic: bool = False) -> dict:
+        if anthropic:  # the Messages API's shape: {"type": "error", "error": {"type", "message"}}
+            kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+            where = f"{self.param}: " if self.param and self.param not in self.message else ""
+            return {"type": "error", "error": {"type": kind, "message": where + self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def response(self, *, path: str = ""):
+        """The JSON answer, in the shape of the API that path belongs to."""
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(self.body(anthropic=path.startswith(ANTHROPIC_PATHS)), status_code=self.status,
+                            headers=self.headers())
+
     def headers(self) -> dict[str, str]:
+        if self.status == 408:
+            return {"Connection": "close"}  # the rest of a late body is not read: the connection cannot go on
         if self.status == 429:
             return {"Retry-After": str(RETRY_AFTER_S)}
         if self.status == 401:

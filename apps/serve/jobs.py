@@ -21,11 +21,13 @@ from .formats import (
     usage_chunk,
 )
 from .prepare import Prepared
+from .reasoning import ReasoningStream, split_reasoning
 from .state import ServeState
-from .tools import parse_tool_calls
+from .tool_calls import parse_tool_calls
 from .worker import EventQueue
 
 DISCONNECT_POLL_S = 0.5
+ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-", "message": "msg_", "response": "resp_"}
 
 
 class Job:
@@ -33,7 +35,7 @@ class Job:
 
     def __init__(self, state: ServeState, prep: Prepared, *, kind: str) -> None:
         self.state, self.prep = state, prep
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.id = ID_PREFIX[kind] + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self._queue = EventQueue()
         self.request = SequenceRequest(prompt_ids=prep.prompt_ids, params=prep.params, on_event=self._queue.put,
@@ -100,7 +102,14 @@ class Job:
         done = sum(len(f.token_ids) for f in self.finished.values())
         return usage(prompt=len(self.prep.prompt_ids), completion=done, cached=self.cached)
 
-    def _tools(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(the thoughts, or None; the answer) of a whole answer."""
+        plan = self.prep.reasoning
+        if plan is None or not plan.split:
+            return None, text
+        return split_reasoning(text, started=plan.started)
+
+    def tool_calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if self.prep.tool_names is None:
             return text, []
         return parse_tool_calls(text, tool_names=self.prep.tool_names)
@@ -114,8 +123,11 @@ class Job:
         tok, choices = self.state.model.tokenizer, []
         for i in range(self.prep.num_choices):
             f = self.finished[i]
-            content, calls = self._tools(f.text)
+            thoughts, answer = self.split(f.text)
+            content, calls = self.tool_calls(answer)
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thoughts is not None:
+                message["reasoning_content"] = thoughts
             if calls:
                 message["tool_calls"] = calls
             lp = chat_logprobs(tok, self.logprobs[i]) if self.prep.num_logprobs is not None else None
@@ -127,25 +139,40 @@ class Job:
     async def chat_stream(self, is_disconnected) -> AsyncIterator[str]:
         head = {"rid": self.id, "created": self.created, "model": self.state.model_id}
         tok, want_lp, buffered = self.state.model.tokenizer, self.prep.num_logprobs is not None, self.prep.tool_names
+        plan, n = self.prep.reasoning, self.prep.num_choices
+        splitters = [ReasoningStream(started=plan.started) for _ in range(n)] if plan and plan.split else None
+
+        def chunk(index: int, delta: dict[str, Any], **kw) -> str:
+            return sse(chat_chunk(**head, index=index, delta=delta, **kw))
+
         try:
-            for i in range(self.prep.num_choices):
-                yield sse(chat_chunk(**head, index=i, delta={"role": "assistant", "content": ""}))
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""})
             async for ev in self.events(is_disconnected):
                 if isinstance(ev, Delta):
-                    if buffered is None and (ev.text or ev.logprobs):
-                        lp = chat_logprobs(tok, list(ev.logprobs)) if want_lp else None
-                        yield sse(chat_chunk(**head, index=ev.choice, delta={"content": ev.text}, logprobs=lp))
+                    thoughts, answer = splitters[ev.choice].push(ev.text) if splitters else ("", ev.text)
+                    lp = chat_logprobs(tok, list(ev.logprobs)) if want_lp and ev.logprobs else None
+                    if thoughts:
+                        yield chunk(ev.choice, {"reasoning_content": thoughts}, logprobs=lp)
+                        lp = None
+                    if buffered is None and (answer or lp):
+                        yield chunk(ev.choice, {"content": answer}, logprobs=lp)
                     continue
                 finish = FINISH[ev.reason]
+                if splitters:
+                    thoughts, answer = splitters[ev.choice].flush()
+                    if thoughts:
+                        yield chunk(ev.choice, {"reasoning_content": thoughts})
+                    if answer and buffered is None:
+                        yield chunk(ev.choice, {"content": answer})
                 if buffered is not None:
-                    content, calls = self._tools(ev.text)
+                    content, calls = self.tool_calls(self.split(ev.text)[1])
                     if calls:
-                        deltas = [{"index": k, **c} for k, c in enumerate(calls)]
-                        yield sse(chat_chunk(**head, index=ev.choice, delta={"tool_calls": deltas}))
+                        yield chunk(ev.choice, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
                         finish = "tool_calls"
                     elif content:
-                        yield sse(chat_chunk(**head, index=ev.choice, delta={"content": content}))
-                yield sse(chat_chunk(**head, index=ev.choice, delta={}, finish=finish))
+                        yield chunk(ev.choice, {"content": content})
+                yield chunk(ev.choice, {}, finish=finish)
             if self.prep.include_usage:
                 yield sse(usage_chunk(**head, obj="chat.completion.chunk", usage_=self.usage()))
         except Exception as e:  # noqa: BLE001 -- headers are sent: the error goes into the stream

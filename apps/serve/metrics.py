@@ -14,6 +14,8 @@ class ServeMetrics:
     def __init__(self, batcher: ContinuousBatcher) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("staticlm_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.client_aborts = Counter("staticlm_client_aborts", "requests whose client left before the answer "
+                                     "(mid-body or while it was computed)", registry=r)
         self.prompt_tokens = Counter("staticlm_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.cached_tokens = Counter("staticlm_prompt_cached_tokens", "prompt tokens the prompt cache held",
                                      registry=r)

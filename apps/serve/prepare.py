@@ -11,7 +11,8 @@ from staticlm.runtime.text_stream import GenerationParams
 
 from .errors import APIError, bad_value
 from .prompt import chat_prompt
-from .schemas import ChatRequest, CompletionRequest, SamplingFields
+from .reasoning import CLOSE, BudgetConstraints, ReasoningPlan, prompt_opens_thinking, soft_switch, template_reasons
+from .schemas import ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from .state import ServeState
 
 
@@ -26,6 +27,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     prompt_text: str = ""  # completions' echo
+    reasoning: ReasoningPlan | None = None  # a reasoning model's answers: how to read their thoughts
 
 
 def check_model(state: ServeState, model: str | None) -> None:
@@ -34,14 +36,28 @@ def check_model(state: ServeState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _params(state: ServeState, req: SamplingFields, *, max_new: int) -> GenerationParams:
+def _logit_bias(state: ServeState, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    vocab = state.model.manifest.model.vocab_size
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit() or not 0 <= int(key) < vocab:
+            raise bad_value("logit_bias", f"logit_bias keys must be token ids in 0..{vocab - 1}, got {key!r}")
+        if not -100 <= value <= 100:
+            raise bad_value("logit_bias", f"logit_bias values must be in [-100, 100], got {value} for {key}")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def _params(state: ServeState, req: SamplingFields, *, max_new: int, num_prompt_tokens: int) -> GenerationParams:
     o = state.options
     pick = lambda value, default: default if value is None else value
     try:
         sampling = SamplingParams(temperature=pick(req.temperature, o.temperature), top_k=pick(req.top_k, o.top_k),
                                   top_p=pick(req.top_p, o.top_p), min_p=pick(req.min_p, o.min_p),
                                   repetition_penalty=pick(req.repetition_penalty, o.repetition_penalty),
-                                  seed=pick(req.seed, o.seed))
+                                  seed=pick(req.seed, o.seed), presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0,
+                                  logit_bias=_logit_bias(state, req.logit_bias), num_prompt_tokens=num_prompt_tokens)
     except ValueError as e:
         raise bad_value("sampling", str(e)) from None
     stop = req.stop_strings() if req.stop is not None else o.stop
@@ -58,10 +74,70 @@ def _too_long(state: ServeState, n: int) -> ContextFull:
                        "(the answer needs at least one more)")
 
 
+def check_choices(state: ServeState, n: int) -> None:
+    if n > state.batcher.num_rows:
+        raise bad_value("n", f"n={n} asks for more choices than this server's {state.batcher.num_rows} batch rows")
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What a text-only model cannot take, and tool answers that name no call, are 400s naming the part."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.type != "text":
+                where = f"messages[{i}].content[{j}]"
+                raise bad_value(where, f"{where} is a part of type {part.type!r}; this model reads text only")
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_value(f"messages[{i}].tool_call_id", f"messages[{i}] is a tool message without tool_call_id")
+
+
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_kwargs(state: ServeState, req: ChatRequest) -> tuple[dict, int]:
+    """The chat template's extra variables (thinking off by the budget or the soft switch unless the request
+    says otherwise), and the reasoning budget (-1: none)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = [k for k in kwargs if k in RESERVED_TEMPLATE_VARIABLES]
+    if clash:
+        raise bad_value("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(clash)}")
+    budget = state.serve.reasoning_budget
+    if req.reasoning_budget is not None:
+        if req.reasoning_budget < -1:
+            raise bad_value("reasoning_budget", "reasoning_budget must be -1 (no limit), 0 (thinking off) or a "
+                            f"number of tokens, got {req.reasoning_budget}")
+        budget = req.reasoning_budget
+    users = [m for m in req.messages if m.role == "user"]
+    switch = soft_switch(users[-1].text()) if users else None
+    if budget == 0:
+        kwargs["enable_thinking"] = False
+    elif switch is not None:
+        kwargs.setdefault("enable_thinking", switch)
+    return kwargs, budget
+
+
+def _reasoning(state: ServeState, ids: list[int], *, budget: int, thinking_off: bool,
+               constraint: Any) -> tuple[ReasoningPlan | None, Any]:
+    """How to read the answers of a model whose template thinks, and the constraint that keeps its budget (and
+    applies a grammar only after its thoughts)."""
+    fmt = state.model.format
+    if not template_reasons(fmt.chat_template):
+        return None, constraint
+    tok = fmt.tokenizer
+    started = not thinking_off and prompt_opens_thinking(tok.decode(ids[-16:]))
+    plan = ReasoningPlan(split=state.serve.reasoning_format != "none", started=started)
+    limited = budget > 0 and not thinking_off
+    if (limited and constraint is None) or (started and constraint is not None):
+        constraint = BudgetConstraints(budget=budget if limited else None, tokenizer=tok, started=started,
+                                       close_ids=tok.encode(CLOSE, add_special_tokens=False), inner=constraint)
+    return plan, constraint
+
+
 def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
     check_model(state, req.model)
     if not req.messages:
         raise bad_value("messages", "messages must not be empty")
+    check_messages(req.messages)
+    check_choices(state, req.n)
     fmt = state.model.format
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice or ("auto" if tools else "none")
@@ -69,6 +145,9 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
         raise bad_value("tool_choice", "tool_choice needs tools")
     rendered = tools if choice != "none" else None
     messages, kwargs = chat_prompt(fmt, req.messages, tools=rendered, system_prompt=state.options.system_prompt_or_none)
+    template_kwargs, budget = _template_kwargs(state, req)
+    if template_kwargs:
+        kwargs["template_kwargs"] = template_kwargs
     ids = fmt.prompt_ids(messages, **kwargs)
     limit = _limit(state, req.limit())
     if len(ids) >= state.max_context:
@@ -94,14 +173,19 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
             constraint = state.grammars.json_schema(fmt_.json_schema.schema_)
         else:
             constraint = state.grammars.json_schema({"type": "object"})
+    plan, constraint = _reasoning(state, ids, budget=budget, constraint=constraint,
+                                  thinking_off=template_kwargs.get("enable_thinking") is False)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids))),
+    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids)),
+                                                   num_prompt_tokens=len(ids)),
                     num_choices=req.n, num_logprobs=num_logprobs, constraint=constraint, tool_names=names,
-                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                    stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    reasoning=plan)
 
 
 def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
     check_model(state, req.model)
+    check_choices(state, req.n)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
@@ -121,7 +205,8 @@ def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
         if state.options.overflow is not Overflow.SLIDE:
             raise _too_long(state, len(ids))
         ids = ids[len(ids) - (state.max_context - min(limit, state.max_context // 4)):]  # keep the end
-    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids))),
+    return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids)),
+                                                   num_prompt_tokens=len(ids)),
                     num_choices=req.n, num_logprobs=req.logprobs, constraint=None, tool_names=None,
                     stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                     prompt_text=text if req.echo else "")

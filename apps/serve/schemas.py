@@ -97,8 +97,9 @@ class SamplingFields(_Body):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, lt=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)  # accepted, not applied
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)  # accepted, not applied
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -129,6 +130,8 @@ class ChatRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    reasoning_budget: int | None = None  # reasoning tokens before </think> is forced (-1: none, 0: no thinking)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

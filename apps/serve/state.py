@@ -11,7 +11,8 @@ from staticlm.runtime.options import RunOptions
 
 from .grammar import Grammars
 from .metrics import ServeMetrics
-from .options import ServeOptions
+from .options import ServeOptions, default_max_body_bytes
+from .response_store import ResponseStore
 from .worker import EngineWorker
 
 
@@ -25,6 +26,7 @@ class ServeState:
     grammars: Grammars
     model_id: str
     created: int = field(default=0)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' conversations
 
     @classmethod
     def build(cls, model: Model, serve: ServeOptions) -> ServeState:
@@ -43,6 +45,10 @@ class ServeState:
     @property
     def max_context(self) -> int:
         return self.batcher.max_context
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.serve.max_body_bytes or default_max_body_bytes(self.max_context)
 
 
 __all__ = ["ServeState"]

@@ -1,0 +1,258 @@
+"""`POST /v1/responses`, OpenAI's Responses API, over the same jobs as chat completions: input items (messages,
+function calls and their outputs) and `instructions` become chat messages, after the stored conversation of
+`previous_response_id`; the answer becomes output items (reasoning, message, function_call) or the API's event
+stream. Conversations are kept in a bounded store, least recently used out first."""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from staticlm.runtime.sequence_request import Delta
+from staticlm.runtime.text_stream import FinishReason
+
+from .errors import APIError, api_error, bad_value
+from .jobs import Job
+from .schemas import ChatRequest
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    text: TextOptions | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": "none"} turns thinking off
+    # llama-server's extras, as on chat completions
+    reasoning_budget: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    ignore_eos: bool = False
+
+
+def _text_of(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_value(where, f"{where} must be a string or a list of parts")
+    parts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise bad_value(f"{where}[{k}]", f"{where}[{k}] is a part of type {kind!r}; this model reads text only")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def input_messages(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input items as chat messages, after history (the previous response's conversation)."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    calls = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
+            out.append({"role": item["role"], "content": _text_of(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if not call["id"] or not call["function"]["name"]:
+                raise bad_value(where, f"{where}: a function_call needs call_id and name")
+            calls.add(call["id"])
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if item.get("call_id") not in calls:
+                raise bad_value(f"{where}.call_id", f"{where} answers call_id {item.get('call_id')!r}, which no "
+                                "function_call of this conversation made")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(item.get("output"),
+                                                                                             f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # earlier thoughts are not shown to the model again
+        else:
+            raise bad_value(where, f"{where} is an item of type {kind!r} (role {item.get('role')!r}), which this "
+                            "server does not take (message, function_call, function_call_output)"
+                            if isinstance(item, dict) else f"{where} must be an object")
+    return out
+
+
+def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatRequest:
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+                            "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
+                            "reasoning_budget": req.reasoning_budget, "ignore_eos": req.ignore_eos,
+                            "chat_template_kwargs": req.chat_template_kwargs}
+    if (req.reasoning or {}).get("effort") in ("none", "minimal"):
+        body["chat_template_kwargs"] = {**(req.chat_template_kwargs or {}), "enable_thinking": False}
+    if req.tools:
+        tools = []
+        for k, t in enumerate(req.tools):
+            if t.get("type") != "function" or not t.get("name"):
+                raise bad_value(f"tools[{k}]", f"tools[{k}]: only function tools (with a name) are served here")
+            tools.append({"type": "function", "function": {k2: t[k2] for k2 in ("name", "description", "parameters")
+                                                           if t.get(k2) is not None}})
+        body["tools"] = tools
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice is not None:
+        body["tool_choice"] = choice
+    fmt = req.text.format if req.text else None
+    if fmt is not None and fmt.type != "text":
+        body["response_format"] = ({"type": "json_object"} if fmt.type == "json_object" else
+                                   {"type": "json_schema", "json_schema": {"name": fmt.name or "response",
+                                                                           "schema": fmt.schema_ or {}}})
+    return ChatRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+def prepare_response(state, req: ResponsesRequest):
+    """(the chat preparation, the conversation this response continues)."""
+    from .prepare import prepare_chat
+
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        found = state.responses.get(req.previous_response_id)
+        if found is None:
+            raise APIError(400, f"previous response {req.previous_response_id!r} is not stored on this server "
+                           f"(it keeps the last {state.responses.max_entries})", param="previous_response_id",
+                           code="previous_response_not_found")
+        history = found
+    conversation = history + input_messages(req, history)
+    return prepare_chat(state, to_chat_request(req, conversation)), conversation
+
+
+# -- answers ---------------------------------------------------------------------------------------------------
+def _items(job: Job, text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The output items of an answer, and the chat message it adds to the conversation."""
+    thoughts, answer = job.split(text)
+    content, calls = job.tool_calls(answer)
+    items: list[dict[str, Any]] = []
+    if thoughts:
+        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": thoughts}]})
+    if content:
+        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed",
+                      "role": "assistant", "content": [{"type": "output_text", "text": content, "annotations": []}]})
+    for c in calls:
+        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": c["id"],
+                      "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
+    return items, {"role": "assistant", "content": content, "tool_calls": calls or None}
+
+
+def _response(job: Job, req: ResponsesRequest, *, status: str, output: list, reason: FinishReason | None = None,
+              num_output: int = 0) -> dict[str, Any]:
+    usage = {"input_tokens": len(job.prep.prompt_ids), "input_tokens_details": {"cached_tokens": job.cached},
+             "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": len(job.prep.prompt_ids) + num_output}
+    incomplete = {"reason": "max_output_tokens"} if reason is FinishReason.LENGTH else None
+    return {"id": job.id, "object": "response", "created_at": job.created, "model": job.state.model_id,
+            "status": "incomplete" if incomplete else status, "incomplete_details": incomplete, "error": None,
+            "instructions": req.instructions, "previous_response_id": req.previous_response_id,
+            "output": output, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
+            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "metadata": {}, "store": req.store,
+            "usage": usage if status != "in_progress" else None}
+
+
+def _finish(job: Job, req: ResponsesRequest, conversation: list, f) -> dict[str, Any]:
+    items, message = _items(job, f.text)
+    if req.store:
+        job.state.responses.put(job.id, conversation + [message])
+    return _response(job, req, status="completed", output=items, reason=f.reason, num_output=len(f.token_ids))
+
+
+async def response_answer(job: Job, req: ResponsesRequest, conversation: list, is_disconnected) -> dict[str, Any]:
+    async for _ in job.events(is_disconnected):
+        pass
+    if not job.finished:
+        return {}  # the client went away
+    return _finish(job, req, conversation, job.finished[0])
+
+
+async def response_stream(job: Job, req: ResponsesRequest, conversation: list,
+                          is_disconnected) -> AsyncIterator[str]:
+    """response.created, then the output items as they come (text deltas live unless tools may be called), then
+    response.completed with the whole response."""
+    seq = iter(range(1 << 62))
+
+    def event(kind: str, **data) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **data})}\n\n"
+
+    live = job.prep.tool_names is None and job.prep.reasoning is None  # else: read whole at the end
+    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    yield event("response.created", response=_response(job, req, status="in_progress", output=[]))
+    yield event("response.in_progress", response=_response(job, req, status="in_progress", output=[]))
+    opened = False
+    try:
+        async for ev in job.events(is_disconnected):
+            if isinstance(ev, Delta):
+                if live and ev.text:
+                    if not opened:
+                        opened = True
+                        yield event("response.output_item.added", output_index=0, item={
+                            "type": "message", "id": msg_id, "status": "in_progress", "role": "assistant",
+                            "content": []})
+                        yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": []})
+                    yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                                delta=ev.text, logprobs=[])
+                continue
+            final = _finish(job, req, conversation, ev)
+            for index, item in enumerate(final["output"]):
+                if item["type"] == "message" and live:
+                    item["id"] = msg_id
+                    text = item["content"][0]["text"]
+                    yield event("response.output_text.done", item_id=msg_id, output_index=index, content_index=0,
+                                text=text, logprobs=[])
+                    yield event("response.content_part.done", item_id=msg_id, output_index=index, content_index=0,
+                                part=item["content"][0])
+                    yield event("response.output_item.done", output_index=index, item=item)
+                    continue
+                yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})
+                if item["type"] == "message":
+                    part = item["content"][0]
+                    yield event("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part={**part, "text": ""})
+                    yield event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                content_index=0, delta=part["text"], logprobs=[])
+                    yield event("response.output_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=part["text"], logprobs=[])
+                    yield event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=part)
+                elif item["type"] == "function_call":
+                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=item["arguments"])
+                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                arguments=item["arguments"], name=item["name"])
+                yield event("response.output_item.done", output_index=index, item=item)
+            yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                        response=final)
+    except Exception as e:  # noqa: BLE001 -- headers are sent: the error goes into the stream
+        err = api_error(e)
+        yield event("error", code=err.code, message=err.message, param=err.param)
+
+
+__all__ = ["ResponsesRequest", "prepare_response", "response_answer", "response_stream"]
