@@ -290,8 +290,8 @@ def main(argv: list[str]) -> int:
     result["load_s"] = load_s
     if probe is not None:
         probe.__exit__()
-        result |= {"peak_pss_bytes": probe.peak_pss, "peak_rss_sampled_bytes": probe.peak_rss}
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # sampled: ru_maxrss would carry the parent's peak across fork and exec
+        result |= {"peak_pss_bytes": probe.peak_pss, "peak_rss_bytes": probe.peak_rss}
     print(json.dumps(result))
     return 0
 
