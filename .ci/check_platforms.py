@@ -1,14 +1,16 @@
 """Whether staticlm's runtime dependencies install from wheels on the platforms that have an NPU (`make
 check-platforms`; reaches PyPI, so it is not part of `make test`).
 
-Each dependency of pyproject.toml (the core list and the runtime extras) is asked of pip as a wheel for each
+The dependencies of pyproject.toml (the core list and the runtime extras) are asked of pip as wheels for each
 platform and Python version: `pip download --only-binary=:all: --no-deps --platform ... --python-version ...`
-(pure-Python wheels count). A requirement whose environment marker leaves it out on a platform is not asked.
+(pure-Python wheels count), all in one call, again without the one pip names as missing until the rest download.
+A requirement whose environment marker leaves it out on a platform is not asked.
 Prints the table and exits non-zero when a dependency that a platform needs has no wheel there for some version.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,8 +25,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 try:
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 except ModuleNotFoundError:  # pip vendors it
     from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRAS = ("htp", "app", "serve")  # what a user installs to run; bench and dev are the developers'
@@ -65,14 +69,31 @@ def runtime_requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[tupl
     return out
 
 
-def pip_has_wheel(requirement: Requirement, platform: Platform, python: str) -> bool:
-    """One `pip download` of the requirement's newest matching wheel into a scratch folder."""
-    spec = f"{requirement.name}{requirement.specifier}"
+def _pip_download(specs: list[str], platform: Platform, python: str) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="staticlm-platforms.") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
                "--only-binary=:all:", "--implementation", "cp", "--python-version", python, "--dest", tmp,
-               *(a for tag in platform.tags for a in ("--platform", tag)), spec]
-        return subprocess.run(cmd, capture_output=True, text=True).returncode == 0
+               *(a for tag in platform.tags for a in ("--platform", tag)), *specs]
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def pip_missing(requirements: list[Requirement], platform: Platform, python: str) -> set[str]:
+    """The names of the requirements without a wheel: one `pip download` of them all into a scratch folder, again
+    without the one pip names as missing until the rest download (or one at a time, if pip's message is not
+    understood)."""
+    left, missing = list(requirements), set()
+    while left:
+        done = _pip_download([f"{r.name}{r.specifier}" for r in left], platform, python)
+        if done.returncode == 0:
+            return missing
+        named = re.search(r"No matching distribution found for ([A-Za-z0-9._-]+)", done.stderr)
+        culprit = [r for r in left if named and canonicalize_name(r.name) == canonicalize_name(named.group(1))]
+        if not culprit:
+            return missing | {r.name for r in left if _pip_download([f"{r.name}{r.specifier}"], platform,
+                                                                    python).returncode != 0}
+        missing.add(culprit[0].name)
+        left.remove(culprit[0])
+    return missing
 
 
 @dataclass(frozen=True)
@@ -95,14 +116,20 @@ def _span(versions: Iterable[str]) -> str:
 
 
 def check(requirements: list[tuple[str, Requirement]], *, platforms=PLATFORMS, pythons=PYTHONS,
-          has_wheel: Callable[[Requirement, Platform, str], bool] = pip_has_wheel) -> dict[str, dict[str, Cell]]:
-    """requirement text -> platform name -> Cell."""
+          find_missing: Callable[[list[Requirement], Platform, str], set[str]] = pip_missing
+          ) -> dict[str, dict[str, Cell]]:
+    """requirement text -> platform name -> Cell; find_missing(requirements, platform, python) -> the names
+    without a wheel, asked once per platform and Python version for the requirements its markers let in."""
+    needed = {(p.name, v): [r for _w, r in requirements if r.marker is None or r.marker.evaluate(p.environment(v))]
+              for p in platforms for v in pythons}
+    missing = {(p.name, v): find_missing(needed[p.name, v], p, v) if needed[p.name, v] else set()
+               for p in platforms for v in pythons}
     table: dict[str, dict[str, Cell]] = {}
     for where, req in requirements:
         row = table.setdefault(f"{req.name} ({where})", {})
-        for platform in platforms:
-            needed = tuple(v for v in pythons if req.marker is None or req.marker.evaluate(platform.environment(v)))
-            row[platform.name] = Cell(needed, tuple(v for v in needed if not has_wheel(req, platform, v)))
+        for p in platforms:
+            versions = tuple(v for v in pythons if any(r is req for r in needed[p.name, v]))
+            row[p.name] = Cell(versions, tuple(v for v in versions if req.name in missing[p.name, v]))
     return table
 
 

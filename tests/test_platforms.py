@@ -41,35 +41,43 @@ def test_the_table_names_each_missing_wheel_and_skips_what_a_marker_leaves_out(p
             ("serve", Requirement("llguidance>=1.0; python_version >= '3.11'"))]
     asked = []
 
-    def has_wheel(req, platform, python):  # a fake index: no PySide6 for win_arm64, no 3.13 llguidance
-        asked.append((req.name, platform.name, python))
-        return not ((req.name, platform.name) == ("PySide6-Essentials", "win_arm64") or
-                    (req.name == "llguidance" and python == "3.13"))
+    def find_missing(requirements, platform, python):  # a fake index: no PySide6 for win_arm64, no 3.13 llguidance
+        asked.append((platform.name, python, {r.name for r in requirements}))
+        return {r.name for r in requirements if (r.name, platform.name) == ("PySide6-Essentials", "win_arm64") or
+                (r.name == "llguidance" and python == "3.13")}
 
-    table = platforms.check(reqs, pythons=("3.10", "3.11", "3.12", "3.13"), has_wheel=has_wheel)
+    table = platforms.check(reqs, pythons=("3.10", "3.11", "3.12", "3.13"), find_missing=find_missing)
     assert table["numpy (core)"]["win_arm64"].text() == "yes (3.10-3.13)"
     assert table["PySide6-Essentials (app)"]["win_arm64"].missing == ("3.10", "3.11", "3.12", "3.13")
     assert table["PySide6-Essentials (app)"]["macosx_arm64"].missing == ()
     qnn = table["onnxruntime-qnn (htp)"]
     assert qnn["macosx_arm64"].text() == "not needed" and qnn["win_arm64"].needed == ("3.10", "3.11", "3.12", "3.13")
-    assert ("onnxruntime-qnn", "macosx_arm64", "3.10") not in asked  # a marker's no is never asked of pip
+    assert len(asked) == 3 * 4  # one question per platform and version
+    assert all("onnxruntime-qnn" not in names for p, _v, names in asked if p == "macosx_arm64")  # left out by marker
     llg = table["llguidance (serve)"]["manylinux_aarch64"]
     assert llg.needed == ("3.11", "3.12", "3.13") and llg.text() == "NO for 3.13 (yes 3.11-3.12)"
     text = platforms.format_table(table)
     assert text.count("\n") == 1 + len(reqs) and "| PySide6-Essentials (app) | NO for 3.10-3.13 |" in text
 
 
-def test_pip_is_asked_for_a_binary_of_that_platform_and_version(platforms, monkeypatch):
+def test_pip_is_asked_once_then_again_without_each_package_it_names(platforms, monkeypatch):
     from packaging.requirements import Requirement
 
     calls = []
 
-    class Done:
-        returncode = 0
+    class Done:  # a fake pip, as it stops at the first requirement it finds no wheel for
+        def __init__(self, cmd):
+            bad = [a for a in cmd if a.startswith(("llguidance", "PySide6"))]
+            self.returncode = 1 if bad else 0
+            self.stderr = f"ERROR: No matching distribution found for {bad[0]}\n" if bad else ""
 
-    monkeypatch.setattr(platforms.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or Done())
+    monkeypatch.setattr(platforms.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or Done(cmd))
+    reqs = [Requirement(r) for r in ("tokenizers>=0.20", "llguidance>=1.0", "numpy>=1.26", "PySide6-Essentials>=6.6")]
     win = platforms.PLATFORMS[0]
-    assert platforms.pip_has_wheel(Requirement("tokenizers>=0.20"), win, "3.12")
+    assert platforms.pip_missing(reqs, win, "3.12") == {"llguidance", "PySide6-Essentials"}
+    assert len(calls) == 3
     cmd = calls[0]
     assert cmd[cmd.index("--platform") + 1] == "win_arm64" and cmd[cmd.index("--python-version") + 1] == "3.12"
-    assert {"download", "--only-binary=:all:", "--no-deps"} <= set(cmd) and cmd[-1] == "tokenizers>=0.20"
+    assert {"download", "--only-binary=:all:", "--no-deps"} <= set(cmd)
+    assert cmd[-4:] == ["tokenizers>=0.20", "llguidance>=1.0", "numpy>=1.26", "PySide6-Essentials>=6.6"]
+    assert calls[-1][-2:] == ["tokenizers>=0.20", "numpy>=1.26"]
