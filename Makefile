@@ -48,8 +48,8 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# Whether every runtime dependency has a wheel for Windows on ARM64, Linux aarch64 and macOS arm64 at Python
-# 3.10-3.13 (asks PyPI through pip, so it is not part of `make test`; the table goes to stdout).
+# Whether every runtime dependency has a wheel for Windows on ARM64, Linux aarch64 (glibc 2.28 and 2.39) and macOS
+# arm64 at each Python version requires-python admits (asks PyPI through pip, so it is not part of `make test`).
 check-platforms: $(STAMP)
 	$(BIN)/python .ci/check_platforms.py
 

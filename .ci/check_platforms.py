@@ -18,21 +18,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+import tomllib
 
 try:
     from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
     from packaging.utils import canonicalize_name
 except ModuleNotFoundError:  # pip vendors it
     from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.specifiers import SpecifierSet
     from pip._vendor.packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRAS = ("htp", "app", "serve")  # what a user installs to run; bench and dev are the developers'
-PYTHONS = ("3.10", "3.11", "3.12", "3.13")  # requires-python >= 3.10 (README: Python >= 3.10)
+CANDIDATE_PYTHONS = ("3.10", "3.11", "3.12", "3.13", "3.14")  # those of them that requires-python admits are checked
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,11 @@ PLATFORMS = (
     # Snapdragon X laptops
     Platform("win_arm64", ("win_arm64",), {"sys_platform": "win32", "platform_system": "Windows", "os_name": "nt",
                                            "platform_machine": "ARM64"}),
-    # Linux on Snapdragon boards; glibc 2.28 (manylinux_2_28) and older wheels
-    Platform("manylinux_aarch64", tuple(f"manylinux_2_{v}_aarch64" for v in range(28, 16, -1)) +
+    # Linux on Snapdragon boards: a glibc 2.28 system (manylinux_2_28, and older wheels) and a glibc 2.39 one
+    # (Ubuntu 24.04, Debian 13)
+    Platform("manylinux_2_28_aarch64", tuple(f"manylinux_2_{v}_aarch64" for v in range(28, 16, -1)) +
+             ("manylinux2014_aarch64",), _LINUX),
+    Platform("manylinux_2_39_aarch64", tuple(f"manylinux_2_{v}_aarch64" for v in range(39, 16, -1)) +
              ("manylinux2014_aarch64",), _LINUX),
     # Apple silicon: no QNN, but the CPU target runs there
     Platform("macosx_arm64", ("macosx_14_0_arm64",), {"sys_platform": "darwin", "platform_system": "Darwin",
@@ -60,9 +62,19 @@ PLATFORMS = (
 )
 
 
+def _project(pyproject: Path) -> dict:
+    return tomllib.loads(pyproject.read_text())["project"]
+
+
+def supported_pythons(pyproject: Path = ROOT / "pyproject.toml") -> tuple[str, ...]:
+    """The CANDIDATE_PYTHONS that the project's requires-python admits."""
+    admits = SpecifierSet(_project(pyproject)["requires-python"])
+    return tuple(v for v in CANDIDATE_PYTHONS if f"{v}.0" in admits)
+
+
 def runtime_requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[tuple[str, Requirement]]:
     """(where it is declared: "core" or the extra's name, requirement) for the core list and EXTRAS."""
-    project = tomllib.loads(pyproject.read_text())["project"]
+    project = _project(pyproject)
     out = [("core", Requirement(r)) for r in project["dependencies"]]
     for extra in EXTRAS:
         out += [(extra, Requirement(r)) for r in project["optional-dependencies"][extra]]
@@ -115,7 +127,7 @@ def _span(versions: Iterable[str]) -> str:
     return versions[0] if len(versions) == 1 else f"{versions[0]}-{versions[-1]}"
 
 
-def check(requirements: list[tuple[str, Requirement]], *, platforms=PLATFORMS, pythons=PYTHONS,
+def check(requirements: list[tuple[str, Requirement]], *, pythons: tuple[str, ...], platforms=PLATFORMS,
           find_missing: Callable[[list[Requirement], Platform, str], set[str]] = pip_missing
           ) -> dict[str, dict[str, Cell]]:
     """requirement text -> platform name -> Cell; find_missing(requirements, platform, python) -> the names
@@ -142,9 +154,10 @@ def format_table(table: dict[str, dict[str, Cell]], platforms=PLATFORMS) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--python", action="append", default=None, help=f"Python versions (default {', '.join(PYTHONS)})")
+    p.add_argument("--python", action="append", default=None,
+                   help="a Python version to check (repeatable; default: those requires-python admits)")
     args = p.parse_args(argv)
-    table = check(runtime_requirements(), pythons=tuple(args.python or PYTHONS))
+    table = check(runtime_requirements(), pythons=tuple(args.python or supported_pythons()))
     print(format_table(table))
     missing = [f"{dep} on {name}" for dep, row in table.items() for name, cell in row.items() if cell.missing]
     for line in missing:

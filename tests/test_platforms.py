@@ -31,6 +31,13 @@ def test_every_runtime_dependency_of_pyproject_is_checked(platforms):
     assert "torch" not in names  # a test reference only
 
 
+def test_the_python_versions_are_those_requires_python_admits(platforms, tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[project]\nrequires-python = ">=3.11"\n')
+    assert platforms.supported_pythons(tmp_path / "pyproject.toml") == ("3.11", "3.12", "3.13", "3.14")
+    (tmp_path / "pyproject.toml").write_text('[project]\nrequires-python = ">=3.10,<3.13"\n')
+    assert platforms.supported_pythons(tmp_path / "pyproject.toml") == ("3.10", "3.11", "3.12")
+
+
 def test_the_table_names_each_missing_wheel_and_skips_what_a_marker_leaves_out(platforms):
     from packaging.requirements import Requirement
 
@@ -52,9 +59,9 @@ def test_the_table_names_each_missing_wheel_and_skips_what_a_marker_leaves_out(p
     assert table["PySide6-Essentials (app)"]["macosx_arm64"].missing == ()
     qnn = table["onnxruntime-qnn (htp)"]
     assert qnn["macosx_arm64"].text() == "not needed" and qnn["win_arm64"].needed == ("3.10", "3.11", "3.12", "3.13")
-    assert len(asked) == 3 * 4  # one question per platform and version
+    assert len(asked) == len(platforms.PLATFORMS) * 4  # one question per platform and version
     assert all("onnxruntime-qnn" not in names for p, _v, names in asked if p == "macosx_arm64")  # left out by marker
-    llg = table["llguidance (serve)"]["manylinux_aarch64"]
+    llg = table["llguidance (serve)"]["manylinux_2_28_aarch64"]
     assert llg.needed == ("3.11", "3.12", "3.13") and llg.text() == "NO for 3.13 (yes 3.11-3.12)"
     text = platforms.format_table(table)
     assert text.count("\n") == 1 + len(reqs) and "| PySide6-Essentials (app) | NO for 3.10-3.13 |" in text
