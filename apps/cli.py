@@ -91,13 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="4-bit float weights with --calib or --quant w4a16: act-order (default: GPTQ, loudest input "
                         "first), sequential (each layer fit to the rounded layers' outputs), gptq, nearest, or rtn "
                         "(no calibration: each block's range)")
-    e.add_argument("--grid", default=None,
-                   help="4-bit float weights with --calib or --quant w4a16: offsets (default: a float minimum per "
-                        "block, as GGUF Q4_1), zero-points (--target cpu: MatMulNBits' own) or symmetric")
     e.add_argument("--bits-budget", default=None,
                    help="4-bit float weights with --calib or --quant w4a16: the projections whose rounding costs most "
                         "on the calibration rows get 8-bit blocks, at most this many level bits per weight on "
                         "average (e.g. 4.5); none: all 4-bit")
+    e.add_argument("--grid", default=None,
+                   help="4-bit float weights with --calib or --quant w4a16: offsets (default: a float minimum per "
+                        "block, as GGUF Q4_1), zero-points (--target cpu: MatMulNBits' own) or symmetric")
     e.add_argument("--parts", type=int, default=None,
                    help="also write every graph as N layer-group graphs: --prefill-workers (KV-Runahead) and --parts "
                         "runs need them, and so does a model larger than one HTP context")

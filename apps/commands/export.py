@@ -178,11 +178,11 @@ def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | 
 def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | None = None,
                prefill_len: int | None = None, verify_lens: str | None = None, batch_sizes: str | None = None,
                draft_layers: int | None = None, quiet: bool = False, target: str | None = None,
+               bits_budget: str | None = None,
                quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
                weight_bits: int | None = None, cpu_attention: str | None = None, calib: bool | None = None,
                rounding: str | None = None, grid: str | None = None, parts: int | None = None,
-               grid_minima: str | None = None, bits_budget: str | None = None,
-               on_progress: Callable[[str, int, int], None] | None = None) -> Path:
+               grid_minima: str | None = None, on_progress: Callable[[str, int, int], None] | None = None) -> Path:
     """on_progress(what, done, total) after each step, instead of the progress bar (the desktop app's dialog);
     parts: also write every graph as that many layer-group graphs (export/parts.py)."""
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
@@ -252,9 +252,10 @@ def run_export_command(args: argparse.Namespace) -> int:
     out = args.out or (default_model_dir(target) if args.model == DEFAULT_MODEL and target in TARGETS else
                        Path(Path(args.model).stem + "-staticlm"))
     run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len,
+               bits_budget=args.bits_budget,
                verify_lens=args.verify_lens, batch_sizes=args.batch_sizes, draft_layers=args.draft_layers,
                quiet=args.quiet, target=args.target, quant=args.quant, kv_bits=args.kv_bits,
                calib_steps=args.calib_steps, weight_bits=args.weight_bits, cpu_attention=args.cpu_attention,
                calib=args.calib, rounding=args.rounding, grid=args.grid, parts=args.parts,
-               grid_minima=args.grid_minima, bits_budget=args.bits_budget)
+               grid_minima=args.grid_minima)
     return 0
