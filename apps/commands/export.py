@@ -87,7 +87,7 @@ def parse_gptq(rounding: str | None, grid: str | None, *, target: str,
         choices = "offsets, symmetric" if target == "htp" else ", ".join(GRIDS)
         raise InvalidOption(f"--grid with --target {target} takes {choices}, got {grid!r}")
     return GptqOptions(rounding=parse_rounding(rounding) if rounding else Rounding.ACT_ORDER, **GRIDS[form],
-                       bits_budget=parse_bits_budget(bits_budget))
+                       **({} if bits_budget is None else {"bits_budget": parse_bits_budget(bits_budget)}))
 
 
 def parse_cpu_options(*, weight_bits: int | None, attention: str | None, calib: bool | None = None,

@@ -45,9 +45,9 @@ class GptqOptions:
                 **({"bits_budget": self.bits_budget, "high_bits": self.high_bits} if self.bits_budget else {})}
 
 
-def parse_bits_budget(text: str | None) -> float | None:
-    """--bits-budget: a number of bits per weight, or none."""
-    if text is None or text.strip().lower() == "none":
+def parse_bits_budget(text: str) -> float | None:
+    """--bits-budget: a number of bits per weight, or none (every projection at the low width)."""
+    if text.strip().lower() == "none":
         return None
     try:
         return float(text)
