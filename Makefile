@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: install xvfb chat generate export test test-fast lint clean
+.PHONY: install xvfb chat generate export test test-fast lint check-platforms clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# Whether every runtime dependency has a wheel for Windows on ARM64, Linux aarch64 (glibc 2.28 and 2.39) and macOS
+# arm64 at each Python version requires-python admits (asks PyPI through pip, so it is not part of `make test`).
+check-platforms: $(STAMP)
+	$(BIN)/python .ci/check_platforms.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="4-bit float weights with --calib or --quant w4a16: act-order (default: GPTQ, loudest input "
                         "first), sequential (each layer fit to the rounded layers' outputs), gptq, nearest, or rtn "
                         "(no calibration: each block's range)")
+    e.add_argument("--bits-budget", default=None,
+                   help="4-bit float weights with --calib or --quant w4a16: the projections whose rounding costs most "
+                        "on the calibration rows get 8-bit blocks, at most this many level bits per weight on "
+                        "average (default 4.5); none: all 4-bit")
     e.add_argument("--grid", default=None,
                    help="4-bit float weights with --calib or --quant w4a16: offsets (default: a float minimum per "
                         "block, as GGUF Q4_1), zero-points (--target cpu: MatMulNBits' own) or symmetric")

@@ -152,7 +152,9 @@ def test_cpu_calib_family_computes_the_gptq_grids_exactly(tiny_hf_dir, tiny_hf_m
     from staticlm.export.sources import load_model
 
     model = load_model(tiny_hf_dir)
-    gptq = GptqOptions(symmetric=False, offsets=grid == "offsets", block=block, sampled_tokens=16)
+    # every projection 4-bit: one MatMulNBits per linear, read back by dequantized_state_dict (a mixed family's
+    # 8-bit parts: test_gptq_recipe.py)
+    gptq = GptqOptions(symmetric=False, offsets=grid == "offsets", block=block, sampled_tokens=16, bits_budget=None)
     cpu = CpuOptions(gptq=gptq, calib_steps=12, accuracy_level=0, block_size=block)
     export_cpu_family(model, tmp_path / "family", options=_tiny_options(), cpu=cpu)
     rounded, _report = calibrated_rounding(model, tmp_path / "again", options=_tiny_options(), gptq=gptq,

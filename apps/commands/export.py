@@ -32,7 +32,7 @@ from staticlm.export.family import (
     num_steps,
 )
 from staticlm.export.gptq.calibrated import format_table
-from staticlm.export.gptq.options import GptqOptions, Rounding, parse_rounding
+from staticlm.export.gptq.options import GptqOptions, Rounding, parse_bits_budget, parse_rounding
 from staticlm.export.htp.calibration import calibration_prompts
 from staticlm.export.htp.family import export_quantized_family, num_quant_steps
 from staticlm.export.htp.options import QuantOptions
@@ -74,22 +74,27 @@ GRIDS = {"offsets": {"symmetric": False, "offsets": True}, "zero-points": {"symm
          "symmetric": {"symmetric": True, "offsets": False}}
 
 
-def parse_gptq(rounding: str | None, grid: str | None, *, target: str) -> GptqOptions | None:
-    """--rounding: None for rtn (no calibration), else how the calibrated rounding runs, on --grid's form."""
+def parse_gptq(rounding: str | None, grid: str | None, *, target: str,
+               bits_budget: str | None = None) -> GptqOptions | None:
+    """--rounding: None for rtn (no calibration), else how the calibrated rounding runs, on --grid's form, with
+    --bits-budget's mixed precision."""
     if rounding is not None and rounding.strip().lower() == "rtn":
-        if grid is not None:
-            raise InvalidOption("--grid is the calibrated rounding's: leave it out with --rounding rtn")
+        if grid is not None or bits_budget is not None:
+            raise InvalidOption("--grid and --bits-budget are the calibrated rounding's: leave them out with "
+                                "--rounding rtn")
         return None
     form = (grid or "offsets").strip().lower()
     if form not in GRIDS or (target == "htp" and form == "zero-points"):
         choices = "offsets, symmetric" if target == "htp" else ", ".join(GRIDS)
         raise InvalidOption(f"--grid with --target {target} takes {choices}, got {grid!r}")
-    return GptqOptions(rounding=parse_rounding(rounding) if rounding else Rounding.ACT_ORDER, **GRIDS[form])
+    return GptqOptions(rounding=parse_rounding(rounding) if rounding else Rounding.ACT_ORDER, **GRIDS[form],
+                       **({} if bits_budget is None else {"bits_budget": parse_bits_budget(bits_budget)}))
 
 
 def parse_cpu_options(*, weight_bits: int | None, attention: str | None, calib: bool | None = None,
                       rounding: str | None = None, calib_steps: int | None = None, grid: str | None = None,
-                      grid_minima: str | None = None, kv_dtype: str | None = None) -> CpuOptions:
+                      grid_minima: str | None = None, kv_dtype: str | None = None,
+                      bits_budget: str | None = None) -> CpuOptions:
     try:
         bits = WeightBits(weight_bits or 4)
     except ValueError:
@@ -98,8 +103,8 @@ def parse_cpu_options(*, weight_bits: int | None, attention: str | None, calib: 
         kind = CpuAttention((attention or CpuAttention.GQA.value).lower())
     except ValueError:
         raise InvalidOption(f"--cpu-attention takes gqa or windows, got {attention!r}") from None
-    if (rounding is not None or calib_steps is not None or grid is not None) and not calib:
-        raise InvalidOption("--rounding, --grid and --calib-steps with --target cpu need --calib")
+    if (rounding is not None or calib_steps is not None or grid is not None or bits_budget is not None) and not calib:
+        raise InvalidOption("--rounding, --grid, --bits-budget and --calib-steps with --target cpu need --calib")
     if calib and bits != WeightBits.INT4:
         raise InvalidOption("--calib rounds 4-bit weights: leave out --weight-bits 8")
     try:
@@ -117,11 +122,12 @@ def parse_cpu_options(*, weight_bits: int | None, attention: str | None, calib: 
     if calib_steps is not None and calib_steps < 1:
         raise InvalidOption(f"--calib-steps must be at least 1, got {calib_steps}")
     return dataclasses.replace(base, calib_steps=calib_steps or base.calib_steps,
-                               gptq=parse_gptq(rounding, grid, target="cpu"))
+                               gptq=parse_gptq(rounding, grid, target="cpu", bits_budget=bits_budget))
 
 
 def parse_quant_options(*, quant: str | None, kv_bits: int | None, calib_steps: int | None,
-                        rounding: str | None = None, grid: str | None = None) -> QuantOptions:
+                        rounding: str | None = None, grid: str | None = None,
+                        bits_budget: str | None = None) -> QuantOptions:
     try:
         q = Quant((quant or "w8a16").lower())
         bits = KVBits(kv_bits or 16)
@@ -130,9 +136,9 @@ def parse_quant_options(*, quant: str | None, kv_bits: int | None, calib_steps: 
                             f"{kv_bits!r}") from None
     if q is Quant.FLOAT:
         raise InvalidOption("--quant float is the default export: leave out --target htp")
-    if (rounding is not None or grid is not None) and q is not Quant.W4A16:
-        raise InvalidOption("--rounding and --grid with --target htp need --quant w4a16")
-    return QuantOptions(quant=q, kv_bits=bits, gptq=parse_gptq(rounding, grid, target="htp"),
+    if (rounding is not None or grid is not None or bits_budget is not None) and q is not Quant.W4A16:
+        raise InvalidOption("--rounding, --grid and --bits-budget with --target htp need --quant w4a16")
+    return QuantOptions(quant=q, kv_bits=bits, gptq=parse_gptq(rounding, grid, target="htp", bits_budget=bits_budget),
                         **({"calib_steps": calib_steps} if calib_steps is not None else {}))
 
 
@@ -144,7 +150,7 @@ Exporter = tuple[Callable[[object], int], Callable[..., Manifest], str]
 def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | None, cpu_attention: str | None,
               quant: str | None, kv_bits: int | None, calib_steps: int | None, calib: bool | None = None,
               rounding: str | None = None, grid: str | None = None, grid_minima: str | None = None,
-              kv_dtype: str | None = None) -> Exporter:
+              kv_dtype: str | None = None, bits_budget: str | None = None) -> Exporter:
     """The target's writer, every option checked before the (possibly slow) source is read."""
     target = (target or ("cpu" if weight_bits is not None or cpu_attention is not None or calib else "float")).lower()
     cpu_flags, htp_flags = (weight_bits, cpu_attention, calib, grid_minima, kv_dtype), (quant, kv_bits)
@@ -155,17 +161,20 @@ def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | 
                             f"cpu, got --target {target}")
     if target != "htp" and any(o is not None for o in htp_flags):
         raise InvalidOption(f"--quant and --kv-bits need --target htp, got --target {target}")
-    if target == "float" and (calib_steps is not None or rounding is not None or grid is not None):
-        raise InvalidOption("--calib-steps, --rounding and --grid need --target htp or --target cpu --calib")
+    if target == "float" and any(o is not None for o in (calib_steps, rounding, grid, bits_budget)):
+        raise InvalidOption("--calib-steps, --rounding, --grid and --bits-budget need --target htp or --target cpu "
+                            "--calib")
     if target == "cpu":
         cpu = parse_cpu_options(weight_bits=weight_bits, attention=cpu_attention, calib=calib, rounding=rounding,
-                                calib_steps=calib_steps, grid=grid, grid_minima=grid_minima, kv_dtype=kv_dtype)
+                                calib_steps=calib_steps, grid=grid, grid_minima=grid_minima, kv_dtype=kv_dtype,
+                                bits_budget=bits_budget)
         return (lambda config: num_cpu_steps(options, config, cpu=cpu, calibrated=cpu.gptq is not None),
                 lambda loaded, out, on_step: export_cpu_family(
             loaded, out, options=options, cpu=cpu, on_step=on_step),
             f"CPU ({cpu.attention.value} attention; float weights to int{int(cpu.bits)}, head int{int(cpu.head)})")
     if target == "htp":
-        q = parse_quant_options(quant=quant, kv_bits=kv_bits, calib_steps=calib_steps, rounding=rounding, grid=grid)
+        q = parse_quant_options(quant=quant, kv_bits=kv_bits, calib_steps=calib_steps, rounding=rounding, grid=grid,
+                                bits_budget=bits_budget)
         prompts = calibration_prompts()
         return (lambda config: num_quant_steps(options, len(prompts), q.quant) + q.num_gptq_steps(config),
                 lambda loaded, out, on_step: export_quantized_family(
@@ -177,6 +186,7 @@ def _exporter(options: ExportOptions, *, target: str | None, weight_bits: int | 
 def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | None = None,
                prefill_len: int | None = None, verify_lens: str | None = None, batch_sizes: str | None = None,
                draft_layers: int | None = None, quiet: bool = False, target: str | None = None,
+               bits_budget: str | None = None,
                quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
                weight_bits: int | None = None, cpu_attention: str | None = None, calib: bool | None = None,
                rounding: str | None = None, grid: str | None = None, parts: int | None = None,
@@ -192,7 +202,7 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
     num_target_steps, write, what = _exporter(options, target=target, weight_bits=weight_bits,
                                               cpu_attention=cpu_attention, quant=quant, kv_bits=kv_bits,
                                               calib_steps=calib_steps, calib=calib, rounding=rounding, grid=grid,
-                                              grid_minima=grid_minima, kv_dtype=kv_dtype)
+                                              grid_minima=grid_minima, kv_dtype=kv_dtype, bits_budget=bits_budget)
     t0 = time.perf_counter()
     with _progress(1, quiet=quiet, on_progress=on_progress) as report:
         report(f"reading {model}", advance=0)
@@ -251,6 +261,7 @@ def run_export_command(args: argparse.Namespace) -> int:
     out = args.out or (default_model_dir(target) if args.model == DEFAULT_MODEL and target in TARGETS else
                        Path(Path(args.model).stem + "-staticlm"))
     run_export(model=args.model, out_dir=out, contexts=args.context, prefill_len=args.prefill_len,
+               bits_budget=args.bits_budget,
                verify_lens=args.verify_lens, batch_sizes=args.batch_sizes, draft_layers=args.draft_layers,
                quiet=args.quiet, target=args.target, quant=args.quant, kv_bits=args.kv_bits,
                calib_steps=args.calib_steps, weight_bits=args.weight_bits, cpu_attention=args.cpu_attention,

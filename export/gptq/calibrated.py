@@ -25,7 +25,7 @@ from staticlm.export.htp.grids import projection_sources
 from staticlm.export.sources.gguf_grids import WeightGrid
 from staticlm.export.sources.model import LoadedModel
 
-from . import rounding
+from . import recipe, rounding
 from .options import GptqOptions, Rounding
 
 MAX_HESSIAN_BYTES = 1 << 30  # Hessians held at once; a larger model's layers are read in several passes
@@ -200,31 +200,66 @@ def round_float_projections(model: LoadedModel, float_path: Path, weights_path: 
     groups = _groups(proto, config, model)
     sequential = options.rounding is Rounding.SEQUENTIAL
     family = _FamilyWeights(proto, weights_path, config) if sequential else None
-    grid = _grid(options)
+    widths = [options] + ([dataclasses.replace(options, bits=options.high_bits, bits_budget=None)]
+                          if options.bits_budget is not None else [])
     grids: dict[str, WeightGrid] = {}
     values: dict[str, np.ndarray] = {}
     table = ErrorTable()
+    high: set[str] = set()
+    num_weights: dict[str, int] = {}
     done_layers: set[int] = set()
     for batch in _passes(groups, model, sequential=sequential):
         h_all = _hessians_of(proto, float_path, steps, batch)
+        candidates: dict[str, list[WeightGrid]] = {}  # name -> its grid at each width
+        inputs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name -> its w [K, N] and the group's h
         for x in batch:
             names, h = groups[x], h_all.pop(x)
             w = np.concatenate([model.weights[n] for n in names]).T.astype(np.float32)  # [K, N]
-            q, scales, zeros = round_group(w, h, options)
-            rounded = rounding.dequantize(q, scales=scales, zeros=zeros, block=grid.block)
+            per_width = [round_group(w, h, o) for o in widths]
             bounds = np.cumsum([0] + [model.weights[n].shape[0] for n in names])
             for n, a, b in zip(names, bounds[:-1], bounds[1:]):
-                grids[n] = _to_grid(q[:, a:b], scales[:, a:b], zeros[:, a:b], grid)
-                values[n] = grids[n].dequantize()  # [N, K]: what each target computes from the grid
-                table.add(n, w[:, a:b], h, rounded=rounded[:, a:b], grid=grid)
+                candidates[n] = [_to_grid(q[:, a:b], s[:, a:b], z[:, a:b], _grid(o))
+                                 for (q, s, z), o in zip(per_width, widths)]
+                inputs[n] = (w[:, a:b], h)
+                num_weights[n] = w[:, a:b].size
+        batch_high = _choose_high(candidates, inputs, widths) if len(widths) > 1 else set()
+        high |= batch_high
+        for n, per_width in candidates.items():
+            width = int(n in batch_high)
+            grids[n] = per_width[width]
+            values[n] = grids[n].dequantize()  # [N, K]: what each target computes from the grid
+            table.add(n, *inputs[n], rounded=values[n].T, grid=_grid(widths[width]))
+        del candidates, inputs
         if family is not None:
             family.write(_Overlay(model.weights, values), {n for x in batch for n in groups[x]})
         for layer in sorted({_layer(groups[x][0]) for x in batch} - done_layers):
             done_layers.add(layer)
             on_layer(layer)
+    report = {"options": options.to_dict(), "error": table.to_dict()}
+    if options.bits_budget is not None:
+        report["mixed"] = {"bits_per_weight": recipe.mean_bits(num_weights, high, low_bits=options.bits,
+                                                               high_bits=options.high_bits),
+                           "high": sorted(high)}
     rounded_model = dataclasses.replace(model, weights=_Overlay(model.weights, values), grids={**model.grids, **grids})
-    return rounded_model, {"options": options.to_dict(), "error": table.to_dict()}
+    return rounded_model, report
 
+
+def _choose_high(candidates: dict[str, list[WeightGrid]], inputs: dict[str, tuple[np.ndarray, np.ndarray]],
+                 widths: list[GptqOptions]) -> set[str]:
+    """recipe.choose_high over one pass's projections, each costed at both widths on its group's Hessian."""
+    units: dict[str, list] = {}
+    for n, per_width in candidates.items():
+        w, h = inputs[n]
+        energy = max(rounding.output_error(w, h), 1e-30)
+        errors = [rounding.output_error(w - g.dequantize().T, h) / energy for g in per_width]
+        u = units.setdefault(recipe.unit_key(n), [[], 0, 0.0, 0.0])
+        u[0].append(n)
+        u[1] += w.size
+        u[2] += errors[0]
+        u[3] += errors[1]
+    low, high = widths
+    return recipe.choose_high((recipe.UnitCost(tuple(a), b, c, d) for a, b, c, d in units.values()),
+                              budget=low.bits_budget, low_bits=low.bits, high_bits=high.bits)
 
 
 def round_on_traces(model: LoadedModel, float_dir: Path, fm, steps, *, mask_value: float, options: GptqOptions,
