@@ -159,10 +159,19 @@ def _prompts(num: int, *, num_words: int = 25) -> list[str]:
 
 
 def _conversation(base: str, turns: list[str], *, max_tokens: int) -> list[dict]:
+    """Turn after turn with the whole history, until the turns run out or the history fills the context (a model
+    that answers in long runs of rare tokens does, with random weights)."""
+    import httpx
+
     history, out = [], []
     for text in turns:
         history.append({"role": "user", "content": text})
-        r = stream_chat(base, history, max_tokens=max_tokens)
+        try:
+            r = stream_chat(base, history, max_tokens=max_tokens)
+        except httpx.HTTPStatusError as e:
+            if e.response.status_code == 400:  # context_length_exceeded
+                break
+            raise
         history.append({"role": "assistant", "content": r["text"]})
         out.append({"ttft_s": r["ttft_s"], "cached": r["cached"]})
     return out
@@ -212,14 +221,17 @@ def bench_serve(ctx: BenchContext) -> list[Row]:
         ctx.log("  the same conversation, prompt cache off ...")
         stream_chat(base, [{"role": "user", "content": "warm up"}], max_tokens=4)
         cache_off = _conversation(base, turns, max_tokens=max_tokens if quick else TURN_TOKENS)
-    on = [t["ttft_s"] * 1000 for t in cache_on]
-    off = [t["ttft_s"] * 1000 for t in cache_off]
-    ctx.figures["serve_prompt_cache_ttft"] = {"turn": list(range(1, len(turns) + 1)), "cache_on_ms": on,
+    num_turns = min(len(cache_on), len(cache_off))
+    if not num_turns:
+        raise RuntimeError("the conversation's first turn was refused")
+    on = [t["ttft_s"] * 1000 for t in cache_on[:num_turns]]
+    off = [t["ttft_s"] * 1000 for t in cache_off[:num_turns]]
+    ctx.figures["serve_prompt_cache_ttft"] = {"turn": list(range(1, num_turns + 1)), "cache_on_ms": on,
                                               "cache_off_ms": off, "cached_tokens": [t["cached"] for t in cache_on]}
     ctx.extra["serve"] = {str(c): {k: v for k, v in r.items() if k != "errors"} | {"errors": r["errors"][:3]}
                           for c, r in raw.items()}
     per_turn = " ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(on, off))
-    last = len(turns)
+    last = num_turns
     rows += [Row("serve.cache_on.ttft_last", f"serve, turn {last} TTFT, prompt cache on", "ms", on[-1],
                  higher_is_better=False,
                  note=f"{off[-1] / on[-1]:.1f}x faster than off; by turn on/off ms: {per_turn}"),
