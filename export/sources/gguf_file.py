@@ -14,7 +14,6 @@ from gguf.quants import dequantize
 from .gguf_grids import GRID_TYPES, WeightGrid, decode_grid
 from .model import ModelSourceError
 
-
 DEQUANT_CHUNK_BYTES = 64 << 20  # float32 output dequantized per call (GGUFFile.tensor)
 
 
