@@ -126,6 +126,28 @@ def test_auto_parts_chain_on_the_cpu_ep_equals_the_family_unsplit(tiny_w4_family
     assert ran and all(len(r.parts) == 2 for r in ran)
 
 
+def test_compile_reports_each_contexts_weight_bytes_against_the_limit(tiny_w4_family, tmp_path, monkeypatch):
+    """What `staticlm compile` prints per context: the bytes each part's graphs read (one copy per context), over
+    or within the SoC's limit."""
+    from staticlm.apps.commands.compile import context_report
+    from staticlm.runtime import device
+
+    family = tmp_path / "family"
+    shutil.copytree(tiny_w4_family, family)
+    add_parts(family, groups=[(0, 1), (1, 2)])
+    monkeypatch.setattr(device, "MAX_CONTEXT_WEIGHT_BYTES", 1)  # the whole graphs over one context: parts alone
+    groups = device.context_groups(family)
+    sizes = [sum(external_bytes(g).values()) for g in groups]
+    limit = max(sizes) - 1
+    monkeypatch.setitem(device.SOC_CONTEXT_WEIGHT_BYTES, "57", limit)
+    lines = context_report(family, soc_model="57")
+    assert len(lines) == len(groups) == 2
+    for line, size in zip(lines, sizes):
+        assert f" {size} bytes of weights of {limit} ({'OVER' if size > limit else 'within'})" in line
+    assert any("OVER" in line for line in lines)
+
+
+@pytest.mark.slow  # a whole export in a subprocess (80 s on the shared machine)
 def test_parts_auto_cli_names_a_layer_that_cannot_fit(tiny_hf_dir, tmp_path):
     common = ("export", "--model", tiny_hf_dir, "--context", ",".join(map(str, TINY_CONTEXTS)),
               "--prefill-len", TINY_PREFILL, "--verify-lens", "4", "--batch-sizes", "none", "--quiet")
@@ -177,18 +199,21 @@ def test_low_memory_is_one_line_with_the_bytes_needed(tiny_hf_dir, tmp_path, mon
 
 
 # -- GGUF dequantization a few rows at a time ------------------------------------------------------------------
-def test_chunked_dequantization_equals_the_whole_tensors(smollm2_gguf, monkeypatch):
+def test_chunked_dequantization_equals_the_whole_tensors(tmp_path, monkeypatch):
+    """A small synthetic Q4_K_M-typed file (Q4_K, Q6_K and float tensors), a few rows a call, against gguf's
+    dequantization of each whole tensor."""
     from gguf.quants import dequantize
 
+    from staticlm.apps.bench.synthetic_gguf import Shape, write_synthetic_gguf
     from staticlm.export.sources import gguf_file
 
-    monkeypatch.setattr(gguf_file, "DEQUANT_CHUNK_BYTES", 4096)  # a few rows a call
-    gf = gguf_file.GGUFFile(smollm2_gguf)
-    names = ["token_embd.weight", *[n for n in gf.tensors if n.startswith("blk.0.")]]
-    assert len({gf.tensors[n].qtype for n in names}) > 2  # several types, a float one among them
-    for name in names:
+    path = write_synthetic_gguf(tmp_path / "small.gguf", Shape("llama", 2, 256, 512, 4, 2, 1024, 1e4, tied=True))
+    monkeypatch.setattr(gguf_file, "DEQUANT_CHUNK_BYTES", 4096)  # four 256-wide rows a call
+    gf = gguf_file.GGUFFile(path)
+    assert len({info.qtype for info in gf.tensors.values()}) >= 3
+    for name, info in gf.tensors.items():
         t = gf._by_name[name]
-        expected = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(gf.tensors[name].shape)
+        expected = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(info.shape)
         got = gf.tensor(name)
         assert got.dtype == np.float32 and got.shape == expected.shape
         np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
