@@ -283,13 +283,13 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
     options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see graph.py
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
+    check_memory(_float_weight_bytes(model))  # before anything is written
     step = on_step or (lambda _name: None)
     rounding = None
     with staged_family(out_dir) as final, _scratch(out_dir) as work:
         float_dir = work / "float"
         fm = export_family(model, float_dir, options=options)
         step("float family")
-        check_memory(fm.weights_bytes)
         ids, eos, first_tokens = _prompt_ids(float_dir, prompts or calibration_prompts())
         traces = record_traces(float_dir, ids, max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS,
                                eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
