@@ -253,16 +253,14 @@ def _progress(total: int, *, quiet: bool, on_progress: Callable[[str, int, int],
 def parse_parts(parts: int | str | None, *, target: str | None, soc_model: str | None,
                 max_context_bytes: int | None) -> tuple[int | None, int | None]:
     """(a number of parts, or None; the weight bytes a part may hold when chosen automatically, or None)."""
-    if parts is None or isinstance(parts, int):
-        if soc_model is not None or max_context_bytes is not None:
-            raise InvalidOption("--soc-model and --max-context-bytes choose parts: use them with --parts auto")
-        return parts, None
-    if str(parts).strip().lower() == "auto":
+    if isinstance(parts, str) and parts.strip().lower() == "auto":
         if (target or "float").lower() != "htp":
             raise InvalidOption("--parts auto fits HTP contexts: use it with --target htp (or give --parts N)")
         return None, max_context_weight_bytes(soc_model, override=max_context_bytes)
+    if soc_model is not None or max_context_bytes is not None:
+        raise InvalidOption("--soc-model and --max-context-bytes choose parts: use them with --parts auto")
     try:
-        return int(parts), None
+        return (None if parts is None else int(parts)), None
     except ValueError:
         raise InvalidOption(f"--parts takes a number of layer groups or auto, got {parts!r}") from None
 
