@@ -147,6 +147,29 @@ def test_compile_reports_each_contexts_weight_bytes_against_the_limit(tiny_w4_fa
     assert any("OVER" in line for line in lines)
 
 
+def test_parts_options_are_refused_in_one_line_before_the_export(tiny_hf_dir, tmp_path):
+    import argparse
+
+    from staticlm.apps.commands.export import parse_bytes, parse_parts
+    from staticlm.errors import InvalidOption
+
+    common = ("export", "--model", tiny_hf_dir, "--out", tmp_path / "family", "--quiet")
+    assert_one_line_error(staticlm(*common, "--parts", "many"), "--parts takes a number of layer groups or auto")
+    assert_one_line_error(staticlm(*common, "--target", "htp", "--parts", "auto", "--soc-model", "12345"),
+                          "SoC model 12345", "--max-context-bytes")
+    assert not (tmp_path / "family").exists()
+    with pytest.raises(InvalidOption, match="--target htp"):
+        parse_parts("auto", target="cpu", soc_model=None, max_context_bytes=None)
+    with pytest.raises(InvalidOption, match="use them with --parts auto"):
+        parse_parts("2", target="htp", soc_model="57", max_context_bytes=None)
+    assert parse_parts("auto", target="htp", soc_model=None, max_context_bytes=None) == (None, 2 << 30)
+    assert parse_parts(" Auto", target="htp", soc_model="69", max_context_bytes=5) == (None, 5)
+    assert parse_parts("3", target="cpu", soc_model=None, max_context_bytes=None) == (3, None)
+    assert [parse_bytes(t) for t in ("2000", "1K", "1.5M", "2G", "2gb")] == [2000, 1024, 3 << 19, 2 << 30, 2 << 30]
+    with pytest.raises(argparse.ArgumentTypeError, match="a byte count"):
+        parse_bytes("lots")
+
+
 @pytest.mark.slow  # a whole export in a subprocess (80 s on the shared machine)
 def test_parts_auto_cli_names_a_layer_that_cannot_fit(tiny_hf_dir, tmp_path):
     common = ("export", "--model", tiny_hf_dir, "--context", ",".join(map(str, TINY_CONTEXTS)),
@@ -155,9 +178,6 @@ def test_parts_auto_cli_names_a_layer_that_cannot_fit(tiny_hf_dir, tmp_path):
     proc = staticlm(*common, "--out", out, "--target", "htp", "--quant", "w4a16", "--calib-steps", "4",
                     "--parts", "auto", "--max-context-bytes", "1K")
     assert_one_line_error(proc, "layer 0 needs", "bytes", "over one context's 1024")
-    assert_one_line_error(staticlm(*common, "--out", out, "--parts", "auto"), "--target htp")
-    assert_one_line_error(staticlm(*common, "--out", out, "--target", "htp", "--parts", "auto",
-                                   "--soc-model", "12345"), "SoC model 12345", "--max-context-bytes")
 
 
 # -- a killed export's scratch, low memory ---------------------------------------------------------------------
