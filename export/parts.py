@@ -47,8 +47,9 @@ class PartTooLarge(UserError, ValueError):
 
 def weight_bytes_by_layer(family_dir: str | Path, manifest: Manifest) -> tuple[list[int], int, int]:
     """(bytes of each layer's weights, of the first part's own: the embedding, of the last part's own: final norm
-    and head), from the weight file's entries the family's graphs read. A weight of no layer that a layer reads
-    (a block-sum table several layers share) counts with each layer, as each part holding one keeps a copy."""
+    and head), from the weight file's entries the family's graphs read. A weight of no layer (a block-sum table
+    that layers share) counts with every layer: a part holds one copy of it, so a group of several layers is
+    overcounted, never under."""
     files = sorted({Path(family_dir) / g.file for g in manifest.graphs if g.kind in PART_KINDS})
     sizes = external_bytes(files[:1])  # every graph of the family reads the same weights (template.py)
     per_layer = [0] * manifest.model.num_layers
