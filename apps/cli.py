@@ -16,7 +16,7 @@ from staticlm.apps.bench.command import run_bench_command
 from staticlm.apps.commands.chat import run_chat
 from staticlm.apps.commands.compile import run_compile
 from staticlm.apps.commands.eval import run_eval
-from staticlm.apps.commands.export import run_export_command
+from staticlm.apps.commands.export import parse_bytes, run_export_command
 from staticlm.apps.commands.generate import Interrupted, run_generate
 from staticlm.apps.gui.app import launch
 from staticlm.apps.serve.command import run_serve
@@ -101,9 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--grid", default=None,
                    help="4-bit float weights with --calib or --quant w4a16: offsets (default: a float minimum per "
                         "block, as GGUF Q4_1), zero-points (--target cpu: MatMulNBits' own) or symmetric")
-    e.add_argument("--parts", type=int, default=None,
+    e.add_argument("--parts", default=None,
                    help="also write every graph as N layer-group graphs: --prefill-workers (KV-Runahead) and --parts "
-                        "runs need them, and so does a model larger than one HTP context")
+                        "runs need them, and so does a model larger than one HTP context; auto (--target htp): "
+                        "as few as keep each part's weights within one context of --soc-model")
+    e.add_argument("--soc-model", default=None,
+                   help="with --parts auto: the QNN SoC model whose context limit the parts fit (default 57)")
+    e.add_argument("--max-context-bytes", type=parse_bytes, default=None,
+                   help="with --parts auto: the weight bytes one context holds, instead of the SoC's (e.g. 1900M)")
     e.add_argument("--quiet", action="store_true")
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import shutil
 import tempfile
@@ -113,13 +114,48 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
     return manifest
 
 
+STAGING_TAG = "staging"  # .{family}.staging.{pid}.{random}: every scratch directory an export of family makes
+
+
+def staging_dir(out_dir: str | Path, *, kind: str = "") -> Path:
+    """A new private scratch directory beside out_dir, named for this process (clean_stale_staging)."""
+    out_dir = Path(out_dir)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{STAGING_TAG}.{os.getpid()}.{kind}", dir=out_dir.parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_staging(out_dir: str | Path) -> list[Path]:
+    """Remove the scratch directories of out_dir's exports whose process is gone (killed mid-export: SIGKILL, an
+    out-of-memory kill or a power cut leave them; Ctrl-C does not). Returns what it removed."""
+    out_dir = Path(out_dir)
+    prefix = f".{out_dir.name}.{STAGING_TAG}."
+    removed = []
+    for path in out_dir.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = path.name[len(prefix):].split(".", 1)[0]
+        if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 @contextmanager
 def staged_family(out_dir: str | Path) -> Iterator[Path]:
     """A scratch directory beside out_dir that replaces out_dir only when the block ends without an error: a failed
-    or interrupted export leaves an existing out_dir as it was, and no scratch behind."""
+    or interrupted export leaves an existing out_dir as it was, and no scratch behind (a killed one leaves it
+    to the next export, which removes it first)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    clean_stale_staging(out_dir)
+    work = staging_dir(out_dir)
     umask = os.umask(0)
     os.umask(umask)
     work.chmod(0o777 & ~umask)  # mkdtemp makes it private; the family is an ordinary directory
@@ -142,7 +178,7 @@ def num_steps(options: ExportOptions) -> int:
 
 def _replace_dir(new: Path, target: Path) -> None:
     if target.exists():
-        old = target.with_name(f".{target.name}.old.{os.getpid()}")
+        old = target.with_name(f".{target.name}.{STAGING_TAG}.{os.getpid()}.old")
         target.rename(old)
         new.rename(target)
         shutil.rmtree(old, ignore_errors=True)

@@ -20,6 +20,7 @@ from onnx import helper
 from staticlm.errors import UserError
 from staticlm.runtime.family.contract import Role, TensorSpec
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256, load_manifest
+from staticlm.runtime.family.weights import external_bytes
 from staticlm.runtime.parts import PARTS_KEY
 
 BOUNDARY_SUFFIXES = ("_out_normed", "_out_residual")  # in the order a part binds them
@@ -38,6 +39,51 @@ def layer_groups(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
         out.append((a, b))
         a = b
     return out
+
+
+class PartTooLarge(UserError, ValueError):
+    """One layer's weights alone exceed a context."""
+
+
+def weight_bytes_by_layer(family_dir: str | Path, manifest: Manifest) -> tuple[list[int], int, int]:
+    """(bytes of each layer's weights, of the first part's own: the embedding, of the last part's own: final norm
+    and head), from the weight file's entries the family's graphs read. A weight of no layer (a block-sum table
+    that layers share) counts with every layer: a part holds one copy of it, so a group of several layers is
+    overcounted, never under."""
+    files = sorted({Path(family_dir) / g.file for g in manifest.graphs if g.kind in PART_KINDS})
+    sizes = external_bytes(files[:1])  # every graph of the family reads the same weights (template.py)
+    per_layer = [0] * manifest.model.num_layers
+    first = last = shared = 0
+    for name, size in sizes.items():
+        layer = name[1:].split(".", 1)[0] if name.startswith("l") and "." in name else ""
+        if layer.isdigit():
+            per_layer[int(layer)] += size
+        elif name.startswith("embed"):  # embed_quantized (the quantizer's names), or embed
+            first += size
+        elif name.startswith(("lm_head_t", "final_norm")):
+            last += size
+        else:
+            shared += size
+    return [b + shared for b in per_layer], first, last
+
+
+def groups_by_bytes(per_layer: list[int], *, first: int, last: int, max_bytes: int) -> list[tuple[int, int]]:
+    """The fewest contiguous layer groups whose weights (the first with `first` bytes more, the last with `last`)
+    each stay within max_bytes; PartTooLarge names a layer that cannot fit any part."""
+    n = len(per_layer)
+    own = [b + (first if k == 0 else 0) + (last if k == n - 1 else 0) for k, b in enumerate(per_layer)]
+    for k, b in enumerate(own):
+        if b > max_bytes:
+            extra = " with the embedding" if k == 0 and first else " with the head" if k == n - 1 and last else ""
+            raise PartTooLarge(f"layer {k} needs {b} bytes of weights{extra}, over one context's {max_bytes}: "
+                               f"no part can hold it")
+    groups, a, total = [], 0, 0
+    for k, b in enumerate(own):  # greedy: the fewest parts for contiguous groups
+        if k > a and total + b > max_bytes:
+            groups.append((a, k))
+            a, total = k, 0
+        total += b
+    return groups + [(a, n)]
 
 
 def _boundary(graph: onnx.GraphProto, layer: int, produced: set[str]) -> list[str]:
@@ -111,12 +157,20 @@ def _part_specs(part: onnx.ModelProto, entry: GraphEntry, *, hidden_size: int) -
             tuple(spec(v.name, entry.outputs) for v in part.graph.output))
 
 
-def add_parts(family_dir: str | Path, num_parts: int) -> Manifest:
-    """Cut every graph of the family in family_dir into num_parts layer groups, written beside it, and record them
-    in its manifest (extra["parts"]: the layer groups and each graph's part entries)."""
+def auto_groups(family_dir: str | Path, *, max_bytes: int) -> list[tuple[int, int]]:
+    """The family's layer groups by weight bytes (groups_by_bytes), each part under max_bytes."""
+    manifest = load_manifest(family_dir)
+    per_layer, first, last = weight_bytes_by_layer(family_dir, manifest)
+    return groups_by_bytes(per_layer, first=first, last=last, max_bytes=max_bytes)
+
+
+def add_parts(family_dir: str | Path, num_parts: int | None = None, *,
+              groups: list[tuple[int, int]] | None = None) -> Manifest:
+    """Cut every graph of the family in family_dir into num_parts layer groups (or the given groups), written beside
+    it, and record them in its manifest (extra["parts"]: the layer groups and each graph's part entries)."""
     family_dir = Path(family_dir)
     manifest = load_manifest(family_dir)
-    groups = layer_groups(manifest.model.num_layers, num_parts)
+    groups = groups or layer_groups(manifest.model.num_layers, num_parts)
     by_file: dict[str, list[GraphEntry]] = {}
     for entry in manifest.graphs:
         if entry.kind in PART_KINDS:

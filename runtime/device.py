@@ -124,6 +124,27 @@ def qnn_cache_key(model_path: Path, soc_model: str) -> str:
 # About what one HTP context holds: a family whose weights exceed it compiles its layer-group parts
 # (`export --parts N`) into one context each, and not its whole graphs.
 MAX_CONTEXT_WEIGHT_BYTES = 2 << 30
+# Weight bytes one QNN context binary holds, by SoC model: about 2 GB on each (the peers' report quoted in issue 34;
+# not yet measured on a device here). `export --parts auto` cuts a family so that each part stays under it;
+# --max-context-bytes overrides it.
+SOC_CONTEXT_WEIGHT_BYTES = {
+    "57": MAX_CONTEXT_WEIGHT_BYTES,  # SM8650, Snapdragon 8 Gen 3
+    "60": MAX_CONTEXT_WEIGHT_BYTES,  # SC8380XP, Snapdragon X Elite
+    "69": MAX_CONTEXT_WEIGHT_BYTES,  # SM8750, Snapdragon 8 Elite
+}
+
+
+def max_context_weight_bytes(soc_model: str | None, *, override: int | None = None) -> int:
+    """The weight bytes one context of soc_model holds (SOC_CONTEXT_WEIGHT_BYTES), or override."""
+    if override is not None:
+        if override <= 0:
+            raise DeviceError(f"--max-context-bytes must be positive, got {override}")
+        return override
+    soc = soc_model or DEFAULT_SOC_MODEL
+    if soc not in SOC_CONTEXT_WEIGHT_BYTES:
+        known = ", ".join(sorted(SOC_CONTEXT_WEIGHT_BYTES))
+        raise DeviceError(f"no context limit known for SoC model {soc} (known: {known}); give --max-context-bytes")
+    return SOC_CONTEXT_WEIGHT_BYTES[soc]
 
 
 def context_groups(model_dir: Path) -> tuple[tuple[Path, ...], ...]:

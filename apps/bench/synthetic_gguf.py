@@ -49,6 +49,8 @@ SHAPES = {
     "qwen2.5-0.5b": Shape("qwen2", 24, 896, 4864, 14, 2, 151936, 1e6, tied=True),
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 151936, 1e6, tied=True),
     "llama3.2-1b": Shape("llama", 16, 2048, 8192, 32, 8, 128256, 5e5, tied=True),
+    "qwen2.5-3b": Shape("qwen2", 36, 2048, 11008, 16, 2, 151936, 1e6, tied=True),
+    "llama3.2-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128256, 5e5, tied=True),
 }
 
 

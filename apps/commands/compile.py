@@ -8,15 +8,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from staticlm.errors import InvalidOption
+from staticlm.errors import InvalidOption, UserError
 from staticlm.runtime.device import (
     DeviceOptions,
     compile_graph_contexts,
     compile_shared_context,
     context_groups,
     family_graph_files,
+    max_context_weight_bytes,
 )
 from staticlm.runtime.family.manifest import load_manifest
+from staticlm.runtime.family.weights import external_bytes
 from staticlm.runtime.qnn_context import EMULATOR, SHARED_PREFIX
 
 
@@ -50,7 +52,24 @@ def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: b
     if not quiet:
         print(f"compiled {len(files)} graphs of {model} into {out} ({_binaries_mb(out, per_graph=per_graph):.1f} MB "
               f"of context binaries) in {time.perf_counter() - t0:.1f} s")
+        for line in context_report(model, soc_model=options.soc_model):
+            print(line)
         if not per_graph and EMULATOR:
             print("note: the x86_64 emulator cannot load a multi-graph context; it is for the device. "
                   "Use --per-graph for contexts the emulator loads.")
     return out
+
+
+def context_report(model: Path, *, soc_model: str) -> list[str]:
+    """One line per shared context (context_groups): its graphs and the weight bytes they hold, against the SoC's
+    limit (what --per-graph contexts also hold, one graph at a time)."""
+    try:
+        limit = max_context_weight_bytes(soc_model)
+    except UserError:  # a SoC with no known limit: the bytes alone
+        limit = None
+    lines = []
+    for k, files in enumerate(context_groups(model)):
+        size = sum(external_bytes(files).values())
+        over = "" if limit is None else f" of {limit} ({'OVER' if size > limit else 'within'})"
+        lines.append(f"context {k}: {len(files)} graphs ({files[0].name} ...), {size} bytes of weights{over}")
+    return lines

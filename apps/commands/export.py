@@ -36,8 +36,9 @@ from staticlm.export.gptq.options import GptqOptions, Rounding, parse_bits_budge
 from staticlm.export.htp.calibration import calibration_prompts
 from staticlm.export.htp.family import export_quantized_family, num_quant_steps
 from staticlm.export.htp.options import QuantOptions
-from staticlm.export.parts import add_parts, layer_groups
+from staticlm.export.parts import add_parts, auto_groups, layer_groups
 from staticlm.export.sources import load_model
+from staticlm.runtime.device import max_context_weight_bytes
 from staticlm.runtime.family.manifest import Manifest
 from staticlm.runtime.family.quant_params import KVBits, Quant
 
@@ -189,11 +190,15 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
                bits_budget: str | None = None,
                quant: str | None = None, kv_bits: int | None = None, calib_steps: int | None = None,
                weight_bits: int | None = None, cpu_attention: str | None = None, calib: bool | None = None,
-               rounding: str | None = None, grid: str | None = None, parts: int | None = None,
+               rounding: str | None = None, grid: str | None = None, parts: int | str | None = None,
                grid_minima: str | None = None, kv_dtype: str | None = None,
-               on_progress: Callable[[str, int, int], None] | None = None) -> Path:
+               on_progress: Callable[[str, int, int], None] | None = None,
+               soc_model: str | None = None, max_context_bytes: int | None = None) -> Path:
     """on_progress(what, done, total) after each step, instead of the progress bar (the desktop app's dialog);
-    parts: also write every graph as that many layer-group graphs (export/parts.py)."""
+    parts: also write every graph as that many layer-group graphs (export/parts.py), or "auto": as many as keep
+    each part's weights within one context of soc_model (max_context_bytes overrides the SoC's limit)."""
+    parts, max_part_bytes = parse_parts(parts, target=target, soc_model=soc_model,
+                                        max_context_bytes=max_context_bytes)
     prefill_len = prefill_len or DEFAULT_PREFILL_LEN
     options = ExportOptions(contexts=contexts if isinstance(contexts, tuple) else parse_contexts(contexts),
                             prefill_len=prefill_len,
@@ -221,6 +226,13 @@ def run_export(*, model: str, out_dir: Path, contexts: str | tuple[int, ...] | N
         manifest = write(loaded, out_dir, lambda name: report(f"wrote {name}"))
         if parts is not None:
             manifest = add_parts(out_dir, parts)
+        elif max_part_bytes is not None:
+            groups = auto_groups(out_dir, max_bytes=max_part_bytes)
+            if len(groups) > 1:  # one group: the whole graphs already fit one context
+                manifest = add_parts(out_dir, groups=groups)
+            if not quiet:
+                print(f"--parts auto: {len(groups)} layer group(s) {groups} within {max_part_bytes} bytes a context",
+                      file=sys.stderr)
     if not quiet:
         if manifest.extra.get("weight_rounding"):
             report = manifest.extra["weight_rounding"]
@@ -256,6 +268,31 @@ def _progress(total: int, *, quiet: bool, on_progress: Callable[[str, int, int],
                                                                   **({"total": total} if total else {}))
 
 
+def parse_parts(parts: int | str | None, *, target: str | None, soc_model: str | None,
+                max_context_bytes: int | None) -> tuple[int | None, int | None]:
+    """(a number of parts, or None; the weight bytes a part may hold when chosen automatically, or None)."""
+    if isinstance(parts, str) and parts.strip().lower() == "auto":
+        if (target or "float").lower() != "htp":
+            raise InvalidOption("--parts auto fits HTP contexts: use it with --target htp (or give --parts N)")
+        return None, max_context_weight_bytes(soc_model, override=max_context_bytes)
+    if soc_model is not None or max_context_bytes is not None:
+        raise InvalidOption("--soc-model and --max-context-bytes choose parts: use them with --parts auto")
+    try:
+        return (None if parts is None else int(parts)), None
+    except ValueError:
+        raise InvalidOption(f"--parts takes a number of layer groups or auto, got {parts!r}") from None
+
+
+def parse_bytes(text: str) -> int:
+    """argparse type: 2000000000, 1900M, 2G (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a byte count (2000000000, 1900M, 2G), got {text!r}") from None
+
+
 def run_export_command(args: argparse.Namespace) -> int:
     target = (args.target or "float").lower()
     out = args.out or (default_model_dir(target) if args.model == DEFAULT_MODEL and target in TARGETS else
@@ -266,5 +303,6 @@ def run_export_command(args: argparse.Namespace) -> int:
                quiet=args.quiet, target=args.target, quant=args.quant, kv_bits=args.kv_bits,
                calib_steps=args.calib_steps, weight_bits=args.weight_bits, cpu_attention=args.cpu_attention,
                calib=args.calib, rounding=args.rounding, grid=args.grid, parts=args.parts,
-               grid_minima=args.grid_minima, kv_dtype=args.kv_dtype)
+               grid_minima=args.grid_minima, kv_dtype=args.kv_dtype, soc_model=args.soc_model,
+               max_context_bytes=args.max_context_bytes)
     return 0

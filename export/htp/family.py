@@ -9,10 +9,10 @@ The same template with its activation parameters calibrated on first tokens only
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from staticlm.export.family import (
     ExportOptions,
     export_family,
     staged_family,
+    staging_dir,
 )
 from staticlm.export.gptq.calibrated import round_on_traces
 from staticlm.export.htp.options import QuantOptions
@@ -42,6 +43,7 @@ from .blocks import grid_overrides, to_block_weights
 from .calibration import StepFeeds, Traces, calibration_prompts, record_traces, trace_reader
 from .grids import ProjectionGrids
 from .kv_only import add_kv_boundary
+from .memory import check_memory, out_of_memory
 from .qdq import (
     Ranges,
     boundary_params,
@@ -247,19 +249,44 @@ def _sink_graph(sink: _Template, fm: Manifest, float_dir: Path, final: Path, *, 
                       inputs=inputs, outputs=outputs, sha256=file_sha256(final / file))
 
 
+@contextlib.contextmanager
+def _scratch(out_dir: Path):
+    """The float family and the quantizer's files, removed when the export ends however it ends."""
+    work = staging_dir(out_dir, kind="q.")
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
                             prompts: list[str] | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
     """Write the quantized family into out_dir atomically; returns its manifest."""
+    try:
+        return _export(model, out_dir, options=options, quant=quant, prompts=prompts, on_step=on_step)
+    except MemoryError:  # numpy's or onnxruntime's allocation failed: nothing written (staged_family)
+        raise out_of_memory(_float_weight_bytes(model)) from None
+
+
+def _float_weight_bytes(model: LoadedModel) -> int:
+    """About the float family's weights from the shapes alone (float32; embedding and head each their own table)."""
+    c = model.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
+    return 4 * (c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size)
+
+
+def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
+            prompts: list[str] | None, on_step: Callable[[str], None] | None) -> Manifest:
     config, out_dir = model.config, Path(out_dir)
     segment_shapes = htp_segment_shapes(options, local_layers=bool(config.local_layers))
     options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see graph.py
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
+    check_memory(_float_weight_bytes(model))  # before anything is written
     step = on_step or (lambda _name: None)
     rounding = None
-    with staged_family(out_dir) as final, tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.q.",
-                                                                      dir=out_dir.parent) as scratch:
-        work = Path(scratch)
+    with staged_family(out_dir) as final, _scratch(out_dir) as work:
         float_dir = work / "float"
         fm = export_family(model, float_dir, options=options)
         step("float family")

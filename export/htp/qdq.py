@@ -7,7 +7,9 @@ boundary QuantizeLinear/DequantizeLinear: inputs and outputs become the integers
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -130,7 +132,7 @@ def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pi
                    weight_overrides: dict[str, list[dict]]) -> Ranges:
     """QDQ model of float_path (calibrated on reader) at out_path, its weights in out_path's .data file;
     returns the activation ranges it was calibrated with."""
-    from onnxruntime.quantization import QuantType, quantize_static
+    from onnxruntime.quantization import QuantType
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, save_tensors_data
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
     from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
@@ -149,6 +151,27 @@ def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pi
     save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), cache)
     # quantize() with this config, but reading the widened ranges instead of calibrating again. Weights go
     # to one side file (use_external_data_format), moved into the family's file later.
+    with _quantizer_notes_off():
+        _quantize_static(float_path, out_path, config, cache)
+    return ranges
+
+
+@contextlib.contextmanager
+def _quantizer_notes_off():
+    """ONNX Runtime's quantizer logs "Please consider pre-processing before quantization" on the root logger at each
+    call (the graphs are built for it, shapes declared); an export's stderr keeps the progress and its own lines."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def _quantize_static(float_path: Path, out_path: Path, config, cache: Path) -> None:
+    from onnxruntime.quantization import quantize_static
+
     quantize_static(str(float_path), str(out_path), None, calibrate_method=config.calibrate_method,
                     quant_format=config.quant_format, activation_type=config.activation_type,
                     weight_type=config.weight_type, op_types_to_quantize=config.op_types_to_quantize,
@@ -156,7 +179,6 @@ def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pi
                     per_channel=config.per_channel, reduce_range=config.reduce_range,
                     use_external_data_format=True, calibration_providers=config.calibration_providers,
                     extra_options=config.extra_options, calibration_cache_path=str(cache))
-    return ranges
 
 
 def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges,

@@ -14,6 +14,8 @@ from gguf.quants import dequantize
 from .gguf_grids import GRID_TYPES, WeightGrid, decode_grid
 from .model import ModelSourceError
 
+DEQUANT_CHUNK_BYTES = 64 << 20  # float32 output dequantized per call (GGUFFile.tensor)
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -41,12 +43,20 @@ class GGUFFile:
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantized to a float32 array of its numpy shape (owns its memory)."""
         t, info = self._by_name[name], self.tensors[name]
+        out = np.empty(info.shape, np.float32)
+        rows = out.reshape(-1, info.shape[-1]) if out.ndim else out.reshape(1, 1)  # [rows, cols]
+        data = t.data.reshape(rows.shape[0], -1) if t.data.ndim else t.data.reshape(1, 1)  # [rows, row bytes/values]
+        # gguf dequantizes a whole tensor through intermediates several times its float32 size (a 545 MB embedding
+        # peaked 1.5 GB over it); a row is whole blocks, so a few rows at a time give the same values.
+        step = max(1, DEQUANT_CHUNK_BYTES // max(1, rows.shape[1] * 4))
         try:
-            values = dequantize(t.data, t.tensor_type)
+            for a in range(0, rows.shape[0], step):
+                rows[a:a + step] = np.asarray(dequantize(data[a:a + step], t.tensor_type),
+                                              np.float32).reshape(-1, rows.shape[1])
         except NotImplementedError:
             raise ModelSourceError(
                 f"{self.path.name}: tensor {name} uses {info.qtype.name}, which cannot be dequantized") from None
-        return np.array(values, dtype=np.float32).reshape(info.shape)  # copy: detach from the mmap
+        return out  # its own memory: detached from the mmap
 
 
     def grid(self, name: str) -> WeightGrid | None:

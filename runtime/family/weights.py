@@ -38,3 +38,14 @@ class SharedWeights:
             # 4-bit weights are packed two per byte: no numpy view describes them, so ORT reads those itself.
             if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.data_type not in _PACKED:
                 options.add_initializer(tensor.name, self._value(tensor))
+
+
+def external_bytes(model_paths) -> dict[str, int]:
+    """Each external initializer any of the graphs reads, once, by name -> its bytes in the weight file: what one
+    context compiled from these graphs holds (graphs of one context share their weights)."""
+    out: dict[str, int] = {}
+    for path in model_paths:
+        for tensor in onnx.load(str(path), load_external_data=False).graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                out[tensor.name] = int({e.key: e.value for e in tensor.external_data}["length"])
+    return out
