@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import TINY_CONTEXTS, TINY_PREFILL
+from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
 
 from staticlm.export.gptq import recipe
 from staticlm.export.gptq.options import GptqOptions
@@ -66,7 +66,7 @@ def _layer_nbits(family) -> dict[str, int]:
     """Each layer MatMulNBits node of the decode graph -> its bits."""
     import onnx
 
-    model = onnx.load(str(family / "decode_ar1.onnx"), load_external_data=False)
+    model = onnx.load(str(graph_path(family, "decode", ar=1)), load_external_data=False)
     return {n.input[1]: onnx.helper.get_node_attr_value(n, "bits") for n in model.graph.node
             if n.op_type == "MatMulNBits" and n.input[1].startswith("l")}
 
