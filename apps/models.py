@@ -8,7 +8,7 @@ from pathlib import Path
 
 from staticlm.apps.commands.export import run_export
 from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
-from staticlm.runtime.batch import batch_rows
+from staticlm.errors import InvalidOption
 from staticlm.runtime.device import npu_available
 from staticlm.runtime.family.manifest import MANIFEST_NAME, read_manifest
 from staticlm.runtime.model import Model, check_draft_model
@@ -54,6 +54,6 @@ def open_model(options: RunOptions, *, num_responses: int = 1) -> Model:
     export, and a family that cannot give num_responses before it loads."""
     check_draft_model(options.speculate_options())
     model_dir = resolve_model_dir(options.model_dir)
-    if num_responses > 1:
-        batch_rows(read_manifest(model_dir).batch_sizes, num_responses, model_dir=model_dir)
+    if num_responses > 1 and not any(b > 1 for b in read_manifest(model_dir).batch_sizes):
+        raise InvalidOption(f"{model_dir} has no batched graphs for several responses: export it with --batch-sizes")
     return Model.open(model_dir, options)

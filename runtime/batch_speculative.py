@@ -8,6 +8,7 @@ Whether a step pays and how long drafts are: SpeculationPolicy, the same one a s
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,11 +43,13 @@ class BatchSpeculator:
         self.stats = SpeculationStats()
 
     def step(self, engine: Engine, last: np.ndarray, *, active: np.ndarray, contexts: list[list[int]],
-             params: SamplingParams, rng: np.random.Generator) -> list[list[int]] | None:
+             params: Sequence[SamplingParams | None], rngs: Sequence[np.random.Generator | None]
+             ) -> list[list[int]] | None:
         """One batched draft-and-verify step; per sequence the new tokens (accepted drafts, then the next
         pending token), or None to decode plainly this step.
 
         last [B]: each sequence's pending token (sampled, not yet in the cache); contexts[b] ends with it.
+        params[b], rngs[b]: each active sequence's own sampling (None for the idle rows).
         """
         if not engine.verify_lens:
             return None
@@ -55,7 +58,7 @@ class BatchSpeculator:
         drafts: dict[int, list[int]] = {}
         proposals: dict[int, list[np.ndarray] | None] = {}
         for b in seqs:
-            drafts[b], proposals[b] = self.drafters[b].propose(contexts[b], num_asked, params=params, rng=rng)
+            drafts[b], proposals[b] = self.drafters[b].propose(contexts[b], num_asked, params=params[b], rng=rngs[b])
         longest = max((len(d) for d in drafts.values()), default=0)
         while longest and engine.verify_len(longest + 1) is None:
             longest -= 1  # near the end of the ladder a shorter verify graph may still fit
@@ -71,7 +74,7 @@ class BatchSpeculator:
         for b in seqs:
             draft = drafts[b]
             q = proposals[b][:len(draft)] if proposals[b] is not None else None
-            accepted, nxt = accept_draft(logits[b], draft, q, params=params, context=contexts[b], rng=rng)
+            accepted, nxt = accept_draft(logits[b], draft, q, params=params[b], context=contexts[b], rng=rngs[b])
             commits[b] = 1 + len(accepted)
             out[b] = [*accepted, nxt]
         engine.commit(commits)

@@ -3,14 +3,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import ContextFull, Overflow
 
 from .chat_template import ChatMessage, Message, render_chat
-from .generator import FinishReason, GenerationParams, GenerationResult, Generator
+from .drive import GenerationResult
+from .text_stream import FinishReason, GenerationParams
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .model import Model
 
 
 @dataclass(frozen=True)
@@ -103,9 +107,9 @@ def _with_content(message: ChatMessage, content: str) -> ChatMessage:
 class ChatSession:
     """params: what an answer uses when a call passes none (the model's run options)."""
 
-    def __init__(self, generator: Generator, chat_format: ChatFormat, *, system_prompt: str | None = None,
+    def __init__(self, model: Model, chat_format: ChatFormat, *, system_prompt: str | None = None,
                  params: GenerationParams | None = None) -> None:
-        self.generator, self.format = generator, chat_format
+        self.model, self.generator, self.format = model, model.generator, chat_format
         self.system_prompt = system_prompt
         self.params = params or GenerationParams()
         self.messages: list[Message] = []
@@ -144,13 +148,13 @@ class ChatSession:
                                                                             max_tokens=room)
         pieces: list[str] = []
         try:
-            for chunk in self.generator.stream(ids, params, should_stop=should_stop):
+            for chunk in self.model.stream(ids, params, should_stop=should_stop):
                 pieces.append(chunk)
                 yield chunk
         except KeyboardInterrupt:
             self._commit(messages, "".join(pieces))
             raise
-        self.last_result = self.generator.last_result
+        self.last_result = self.model.last_result
         self._commit(messages, self.last_result.text)
 
     def _commit(self, messages: list[Message], answer: str) -> None:

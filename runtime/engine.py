@@ -38,6 +38,9 @@ class EngineOptions:
     # Rows of a prompt chunk where the family's graph takes any number (one in-place file); None: the family's
     # exported prefill length. Each chunk reads every weight once, so long prompts want long chunks.
     prefill_rows: int | None = None
+    # Greedy answers that depend on the tokens only (see Engine.pairs_rows): on a family whose graph takes any
+    # number of rows, no row runs alone, so every row takes the same kernels wherever it comes from.
+    paired_rows: bool = True
 
 
 def _with_rows(chunks: tuple[GraphEntry, ...], rows: int | None, *, config, kv_dtype: str) -> tuple[GraphEntry, ...]:
@@ -109,6 +112,9 @@ class Engine:
         self._prefill = _with_rows(tuple(g for g in multi if g.shape.ar == longest), options.prefill_rows,
                                    config=cfg, kv_dtype=self.manifest.kv_dtype)  # prompt chunks
         self.prefill_len = max((g.shape.ar for g in self._prefill), default=1)
+        # One graph takes any number of rows (a logits_index input): chunks run at their own length, and rows pair
+        self._any_rows = bool(self._prefill) and any(s.role is Role.LOGITS_INDEX for s in self._prefill[0].inputs)
+        self._rows_entries: dict[int, GraphEntry] = {}
         # Every AR=N graph that scores all its rows can verify drafts (and score a text); by AR, each a ladder
         # sorted by past length. An in-place family's prompt graph scores its last row only.
         multi = tuple(g for g in multi if g.logit_rows == g.shape.ar)
@@ -288,8 +294,35 @@ class Engine:
                               f"largest context {self.max_context}; use --on-overflow slide or export larger "
                               "--context sizes")
 
-    def prefill(self, token_ids) -> np.ndarray:
-        """Append tokens to the cache in prefill-graph chunks; returns the last token's logits [V]."""
+    @property
+    def pairs_rows(self) -> bool:
+        """Whether no row runs alone in a step. ORT's CPU kernels take another path for a step of one real row
+        (MatMulNBits' one-row kernel, GroupQueryAttention's token path) than for two or more, and the two round
+        differently: a greedy near-tie then flips with the path a row took (prompt cache, chunk size, batch,
+        speculation). Any step of two or more real rows gives a row the same bits, so a lone row runs again beside
+        the row before it (tests/test_greedy_paths.py): decode reads every weight once either way."""
+        return self._any_rows and self.options.paired_rows
+
+    def _rows_entry(self, rows: int) -> GraphEntry:
+        """The prompt graph at exactly `rows` rows, scoring the last real row (a family whose graph takes any)."""
+        if rows not in self._rows_entries:
+            self._rows_entries[rows] = _with_rows(self._prefill[-1:], rows, config=self.config,
+                                                  kv_dtype=self.manifest.kv_dtype)[0]
+        return self._rows_entries[rows]
+
+    def _can_pair(self, previous: int | None) -> bool:
+        return (previous is not None and self.pairs_rows and self.batch == 1 and self.num_cached > 0
+                and self.can_truncate(self.num_cached - 1))
+
+    def _paired(self, token_id: int, previous: int) -> np.ndarray:
+        """token_id's logits [V], its row run beside previous (the last cached row, run again to the same bits)."""
+        self.kv.truncate(self.num_cached - 1)
+        return self._step(self._rows_entry(2), np.array([previous, token_id], np.int64))
+
+    def prefill(self, token_ids, *, previous: int | None = None) -> np.ndarray:
+        """Append tokens to the cache in prefill-graph chunks; returns the last token's logits [V].
+
+        previous: the last cached token (when known), for a lone token to run beside (pairs_rows)."""
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.size == 0:
             raise ValueError("nothing to prefill: the prompt is empty")
@@ -297,6 +330,8 @@ class Engine:
         t0 = time.perf_counter()
         logits = None
         start = 0
+        if ids.size == 1 and self._can_pair(previous):
+            logits, start = self._paired(int(ids[0]), previous), 1
         if self._sink and self.num_cached == 0:
             logits, start = self._step(self._sink[0], ids[:1]), 1
         if self.runahead is not None and self.runahead.takes(ids.size - start):
@@ -312,7 +347,11 @@ class Engine:
                 start += 1
                 continue
             entry = self._rung(self._prefill, self.num_cached)
-            chunk = ids[start:start + entry.shape.ar]
+            num_rows = min(rest, entry.shape.ar)
+            if self._any_rows:  # a chunk runs at its own length, and never leaves one row for last (pairs_rows)
+                num_rows -= self.pairs_rows and rest - num_rows == 1 and num_rows > 2
+                entry = entry if num_rows == entry.shape.ar else self._rows_entry(num_rows)
+            chunk = ids[start:start + num_rows]
             logits = self._step(entry, chunk)
             start += chunk.size
         self.counters.num_prefill_tokens += ids.size
@@ -338,13 +377,16 @@ class Engine:
             start += chunk.size
         return out
 
-    def decode(self, token_id: int) -> np.ndarray:
-        """One token in, next-token logits [V] out."""
+    def decode(self, token_id: int, *, previous: int | None = None) -> np.ndarray:
+        """One token in, next-token logits [V] out; previous: the last cached token, to run beside (pairs_rows)."""
         self.check_room(1)
         t0 = time.perf_counter()
-        self._token[0] = token_id
-        first = self._sink and self.num_cached == 0
-        logits = self._step(self._sink[0] if first else self._rung(self._decode, self.num_cached), self._token)
+        if self._can_pair(previous):
+            logits = self._paired(token_id, previous)
+        else:
+            self._token[0] = token_id
+            first = self._sink and self.num_cached == 0
+            logits = self._step(self._sink[0] if first else self._rung(self._decode, self.num_cached), self._token)
         self.counters.num_decode_steps += 1
         self.counters.decode_seconds += time.perf_counter() - t0
         return logits
@@ -364,12 +406,26 @@ class Engine:
         self.kv.clear(seq)
         self.kv.load(seq, rows if num_rows is None else rows[:, :num_rows])
 
-    def decode_batch(self, token_ids: np.ndarray, *, active: np.ndarray) -> np.ndarray:
-        """One token per sequence in, logits [B, V] out; finished (inactive) sequences commit nothing."""
+    def decode_batch(self, token_ids: np.ndarray, *, active: np.ndarray,
+                     previous: np.ndarray | None = None) -> np.ndarray:
+        """One token per sequence in, logits [B, V] out; finished (inactive) sequences commit nothing.
+
+        previous [B]: each sequence's last cached token, which its row runs beside (pairs_rows)."""
         self.check_room(1)
         t0 = time.perf_counter()
-        logits = self._run(self._rung(self._decode, int(self.kv.lengths.max())), token_ids.reshape(self.batch, 1))
-        self.kv.advance(active.astype(np.int64))
+        rows = np.flatnonzero(active)
+        if previous is not None and self.pairs_rows and all(self.kv.lengths[rows] > 0) and all(
+                self.kv.can_truncate(int(self.kv.lengths[b]) - 1, b) if hasattr(self.kv, "can_truncate") else True
+                for b in rows):
+            for b in rows.tolist():  # each active row steps back one row, to run it again beside its new token
+                self.kv.truncate(int(self.kv.lengths[b]) - 1, b)
+            tokens = np.stack([previous, token_ids], axis=1).astype(np.int64)  # [B, 2]
+            logits = self._run(self._rows_entry(2), tokens)
+            self.kv.advance(2 * active.astype(np.int64))
+        else:
+            logits = self._run(self._rung(self._decode, int(self.kv.lengths.max())),
+                               token_ids.reshape(self.batch, 1))
+            self.kv.advance(active.astype(np.int64))
         self.counters.num_decode_steps += 1
         self.counters.decode_seconds += time.perf_counter() - t0
         return logits[:, 0]

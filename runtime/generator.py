@@ -5,31 +5,13 @@ point (regenerate, edit a turn) and only ever prefill what is new.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-
 import numpy as np
-
-from staticlm.errors import InvalidOption
 
 from .engine import Engine
 from .sampling import SamplingParams, sample
-from .text_stream import FinishReason, GenerationParams, TextStream
 from .tokenizer import Tokenizer
 
 _GREEDY = SamplingParams()  # frozen, so one default object serves every call
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    prompt_tokens: int  # tokens prefilled for this request (the cached prefix is not counted)
-    ttft_s: float
-    prefill_tok_s: float
-    decode_tok_s: float
 
 
 class Generator:
@@ -52,7 +34,7 @@ class Generator:
             raise ValueError("nothing to append: the prompt is empty")
         num_before = len(self.tokens)
         try:
-            self._logits = self.engine.prefill(ids).copy()
+            self._logits = self.engine.prefill(ids, previous=self.tokens[-1] if self.tokens else None).copy()
         except BaseException:
             # A failed or interrupted prefill must leave the cache exactly as the token list says.
             keep = min(num_before, self.engine.num_cached)
@@ -67,7 +49,7 @@ class Generator:
 
     def generate_next_token(self, params: SamplingParams = _GREEDY) -> int:
         if self._pending is not None:
-            self._logits = self.engine.decode(self._pending).copy()
+            self._logits = self.engine.decode(self._pending, previous=self.tokens[-1] if self.tokens else None).copy()
             self.tokens.append(self._pending)
             self._pending = None
             self._sync_slide()
@@ -84,6 +66,25 @@ class Generator:
             if tokens is not None:
                 return tokens
         return [self.generate_next_token(params)]
+
+    def speculate(self, pending: int, params: SamplingParams, *, rng: np.random.Generator) -> list[int] | None:
+        """One draft-and-verify step after `pending` (chosen, not yet cached), drawing from rng: the tokens it
+        gives (the accepted drafts, then the next one, which the caller feeds next), or None: not this step."""
+        if self.speculator is None:
+            return None
+        self._pending, self._logits, saved = pending, None, self._rng
+        self._rng = rng
+        try:
+            tokens = self.speculator.step(self, params)
+        finally:
+            self._rng, self._pending = saved, None
+        return tokens
+
+    def adopt(self, engine: Engine, *, row: int, token_ids: list[int]) -> None:
+        """Start from the first len(token_ids) cached rows of engine's sequence `row` (their tokens): one copy."""
+        self.reset()
+        self.engine.load_row(0, engine, source_seq=row, num_rows=len(token_ids))
+        self.tokens.extend(token_ids)
 
     # -- what a speculator needs -------------------------------------------------------------
     @property
@@ -156,41 +157,3 @@ class Generator:
             self.rewind_to(common)
         self._pending = None
         return ids[common:]
-
-    def stream(self, prompt_ids: list[int], params: GenerationParams, *,
-               should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
-        """Yields text chunks; the summary is in `self.last_result` afterwards."""
-        if not prompt_ids:
-            raise InvalidOption("the prompt is empty")
-        if params.sampling.seed is not None:
-            self.seed(params.sampling.seed)
-        t0 = time.perf_counter()
-        todo = self.sync_prefix(list(prompt_ids))
-        self.append_tokens(todo)
-        t_prefill = time.perf_counter() - t0
-        out = TextStream(self.tokenizer, params)
-        while out.reason is None:
-            if should_stop():
-                text = out.cancel()
-                if text:
-                    yield text
-                break
-            tokens = self.next_tokens(params.sampling)
-            now = time.perf_counter() - t0
-            for token in tokens:
-                text = out.push(token, now=now)
-                if text:
-                    yield text
-                if out.reason is not None:
-                    break
-        num_decoded = max(len(out.ids) - 1, 0)
-        decode_time = time.perf_counter() - t0 - out.first_s if out.ids else 0.0
-        self.last_result = GenerationResult(
-            token_ids=out.ids, text=out.text, finish_reason=out.reason, prompt_tokens=len(todo), ttft_s=out.first_s,
-            prefill_tok_s=len(todo) / t_prefill if t_prefill > 0 else 0.0,
-            decode_tok_s=num_decoded / decode_time if decode_time > 0 else 0.0)
-
-    def generate(self, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
-        for _ in self.stream(prompt_ids, params):
-            pass
-        return self.last_result

@@ -5,20 +5,23 @@ model here, so a run option means the same everywhere.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from staticlm.errors import InvalidOption
 
-from .batch import BatchGenerator, batch_rows
 from .batch_speculative import BatchSpeculator
 from .chat import ChatFormat, ChatSession
 from .drafters import DraftModelDrafter, PromptLookupDrafter
+from .drive import GenerationResult, Response, generate_many, stream
 from .engine import Engine
 from .family.manifest import Manifest, load_manifest
 from .generator import Generator
+from .loop import GenerationLoop
 from .options import RunOptions
 from .speculate_options import SpeculateMode, SpeculateOptions
 from .speculative import DraftLength, Speculator
+from .text_stream import GenerationParams
 from .tokenizer import Tokenizer
 
 
@@ -39,7 +42,8 @@ def chat_format(model_dir: str | Path, manifest: Manifest | None = None) -> Chat
 
 class Model:
     """An exported family, opened: `engine` (graphs and KV), `tokenizer`, `format` (the chat template) and
-    `generator`, the token-level loop (append_tokens, generate_next_token, rewind_to) with the options' speculation.
+    `generator`, the token-level view of the engine's KV (append_tokens, generate_next_token, rewind_to), and
+    `loop`, the generation loop every answer runs through (loop.py).
 
         model = Model.open("path/to/family", RunOptions(temperature=0.7))
         chat = model.chat()
@@ -54,7 +58,9 @@ class Model:
         # One engine holds one KV cache, so it has one Generator (whose token list mirrors that cache): every
         # chat and the token-level API share it, and each request rewinds to what it has in common with the cache.
         self.generator = Generator(engine, self.tokenizer)
-        self.generator.speculator = self._speculator(num_sequences=1)
+        self.generator.speculator = self.speculator(num_sequences=1)
+        self._loop: GenerationLoop | None = None
+        self.last_result: GenerationResult | None = None
 
     @classmethod
     def open(cls, model_dir: str | Path | None = None, options: RunOptions | None = None, *,
@@ -79,24 +85,54 @@ class Model:
     def max_context(self) -> int:
         return self.engine.max_context
 
-    def chat(self, *, system_prompt: str | None = None) -> ChatSession:
-        """A conversation; system_prompt defaults to the options' one."""
-        return ChatSession(self.generator, self.format, params=self.options.generation_params(),
-                           system_prompt=system_prompt if system_prompt is not None
-                           else self.options.system_prompt_or_none)
+    @property
+    def loop(self) -> GenerationLoop:
+        """The generation loop (opened on first use; a server opens its own with open_loop)."""
+        return self._loop if self._loop is not None else self.open_loop()
 
-    def batch(self, num_responses: int) -> BatchGenerator:
-        """Several responses to one prompt, decoded together in the batched graphs (the exported batch size that
-        serves num_responses: see batch.batch_rows); `generate(..., num_responses=n)` runs them."""
+    def open_loop(self, *, max_queue: int = 64, prompt_cache: bool = True, eager: bool = False) -> GenerationLoop:
+        """The model's one loop, with these settings (its lane is the model's engine: one loop per model)."""
+        self._loop = GenerationLoop(self, max_queue=max_queue, prompt_cache=prompt_cache, eager=eager)
+        return self._loop
+
+    def stream(self, prompt_ids: list[int], params: GenerationParams | None = None, *,
+               should_stop: Callable[[], bool] = lambda: False, **request) -> Iterator[str]:
+        """One answer's text as it comes (request: num_logprobs, constraint); the summary is `last_result`."""
+        return stream(self.loop, prompt_ids, params or self.options.generation_params(), should_stop=should_stop,
+                      on_result=self._set_result, **request)
+
+    def generate(self, prompt_ids: list[int], params: GenerationParams | None = None, **request) -> GenerationResult:
+        for _ in self.stream(prompt_ids, params, **request):
+            pass
+        return self.last_result
+
+    def generate_many(self, prompt_ids: list[int], params: GenerationParams | None = None, *, num_responses: int,
+                      on_text: Callable[[int, str], None] = lambda index, text: None,
+                      should_stop: Callable[[], bool] = lambda: False) -> list[Response]:
+        """num_responses answers to one prompt, decoded together on the loop's rows."""
         if self.manifest.model.local_layers and not self.manifest.batch_sizes:
             raise InvalidOption(f"{self.engine.model_dir}: --num-responses is not available for a model with "
                                 "sliding-window layers (its batched graphs are not exported yet); run one at a time")
-        num_rows = batch_rows(self.manifest.batch_sizes, num_responses, model_dir=self.engine.model_dir)
-        return BatchGenerator(self.engine, self.tokenizer, num_rows=num_rows,
-                              speculator=self._speculator(num_sequences=num_rows),
-                              segments=self.options.shared_prompt_kv)
+        if num_responses > 1 and not self.loop.rows.available:
+            raise InvalidOption(f"{self.engine.model_dir} has no batched graphs for several responses: export it "
+                                "with --batch-sizes")
+        return generate_many(self.loop, prompt_ids, params or self.options.generation_params(),
+                             num_responses=num_responses, on_text=on_text, should_stop=should_stop)
 
-    def _speculator(self, *, num_sequences: int) -> Speculator | BatchSpeculator | None:
+    def _set_result(self, result: GenerationResult) -> None:
+        self.last_result = result
+
+    def chat(self, *, system_prompt: str | None = None) -> ChatSession:
+        """A conversation; system_prompt defaults to the options' one."""
+        return ChatSession(self, self.format, params=self.options.generation_params(),
+                           system_prompt=system_prompt if system_prompt is not None
+                           else self.options.system_prompt_or_none)
+
+    @property
+    def speculates(self) -> bool:
+        return self.options.speculate_options().mode is not SpeculateMode.NONE
+
+    def speculator(self, *, num_sequences: int) -> Speculator | BatchSpeculator | None:
         """A draft model must share the target's tokenizer; one drafter per sequence (a draft model keeps
         per-sequence KV), all draft engines on one weight mapping."""
         spec = self.options.speculate_options()

@@ -20,7 +20,7 @@ from staticlm.kv_manager import Overflow, Strategy
 
 from .device import DEFAULT_SOC_MODEL, Device, DeviceOptions
 from .engine import EngineOptions
-from .generator import GenerationParams
+from .text_stream import GenerationParams
 from .sampling import SamplingParams
 from .speculate_options import SpeculateOptions
 

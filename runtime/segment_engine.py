@@ -110,8 +110,10 @@ class SegmentEngine:
         runner.input_ids[:, num_real:] = runner.input_ids[:, num_real - 1:num_real]  # see Engine._run
         return runner.run(self.segments)
 
-    def decode_batch(self, token_ids: np.ndarray, *, active: np.ndarray) -> np.ndarray:
-        """One token per sequence in, logits [B, V] out; inactive sequences commit nothing."""
+    def decode_batch(self, token_ids: np.ndarray, *, active: np.ndarray,
+                     previous: np.ndarray | None = None) -> np.ndarray:
+        """One token per sequence in, logits [B, V] out; inactive sequences commit nothing. (previous: unused,
+        segmented graphs have static row counts, see Engine.pairs_rows.)"""
         self.check_room(1)
         t0 = time.perf_counter()
         logits = self._run(1, np.asarray(token_ids, np.int64).reshape(self.batch, 1))

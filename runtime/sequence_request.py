@@ -60,6 +60,7 @@ class Finished:
     token_ids: tuple[int, ...]  # every token of the choice (an EOS included)
     text: str
     time: float
+    first_time: float = 0.0  # time.perf_counter() of its first token (0.0: it had none)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from staticlm.kv_manager.segments import copied_kv_rows, segment_kv_rows, token_
 from staticlm.runtime.batch import BatchGenerator
 from staticlm.runtime.engine import Engine
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
-from staticlm.runtime.generator import GenerationParams
+from staticlm.runtime.text_stream import GenerationParams
 from staticlm.runtime.sampling import SamplingParams
 from staticlm.runtime.segment_engine import SegmentEngine
 

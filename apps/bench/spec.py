@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.engine import StepCounters
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
-from staticlm.runtime.generator import GenerationParams
+from staticlm.runtime.text_stream import GenerationParams
 from staticlm.runtime.model import Model
 from staticlm.runtime.sampling import SamplingParams
 from staticlm.runtime.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ from staticlm.apps.models import open_model
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import Overflow
 from staticlm.runtime.chat_template import Message
-from staticlm.runtime.generator import FinishReason
+from staticlm.runtime.text_stream import FinishReason
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
 
@@ -47,7 +47,7 @@ def _generate_one(model: Model, prompt: str, *, chat: bool, as_json: bool) -> tu
         if len(ids) > engine.max_context and model.options.overflow is Overflow.SLIDE:  # keep the end
             num_dropped = len(ids) - (engine.max_context - min(params.max_new_tokens, engine.max_context // 4))
             ids = ids[num_dropped:]
-        stream = model.generator.stream(ids, params, should_stop=flag)
+        stream = model.stream(ids, params, should_stop=flag)
     with sigint_sets(flag):
         for chunk in stream:
             if not as_json:
@@ -60,7 +60,7 @@ def _generate_one(model: Model, prompt: str, *, chat: bool, as_json: bool) -> tu
         print(f"staticlm: the prompt was longer than the context ({engine.max_context} tokens): its first "
               f"{num_dropped} tokens were left out" + (" (the chat template's head stays)" if chat else ""),
               file=sys.stderr)
-    result = model.generator.last_result
+    result = model.last_result
     summary = {
         "token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason.value,
         "prompt_tokens": result.prompt_tokens, "prompt_tokens_dropped": num_dropped,
@@ -78,13 +78,12 @@ def _generate_one(model: Model, prompt: str, *, chat: bool, as_json: bool) -> tu
 
 
 def _generate_batch(model: Model, ids: list[int], *, num_responses: int, as_json: bool) -> tuple[dict, bool]:
-    batch = model.batch(num_responses)
-    batch.batch.warm_up(verify=batch.speculator is not None)  # each session holds its own prepacked weights
     flag = StopFlag()
+    rows = model.loop.rows
     t0 = time.perf_counter()
     with sigint_sets(flag):
-        responses = batch.generate(ids, model.options.generation_params(), num_responses=num_responses,
-                                   should_stop=flag)
+        responses = model.generate_many(ids, model.options.generation_params(), num_responses=num_responses,
+                                        should_stop=flag)
     seconds = time.perf_counter() - t0
     num_tokens = sum(len(r.token_ids) for r in responses)
     summary = {
@@ -94,12 +93,12 @@ def _generate_batch(model: Model, ids: list[int], *, num_responses: int, as_json
         "prompt_tokens": len(ids), "new_tokens": num_tokens, "total_tok_s": round(num_tokens / seconds, 2),
         "first_response_s": round(min(r.last_token_s for r in responses), 4),
         "mean_response_s": round(sum(r.last_token_s for r in responses) / len(responses), 4),
-        "device": model.engine.device_name, "kv_copied_bytes": int(batch.batch.kv.stats.copied_bytes),
-        "kv_bytes": batch.kv_bytes,
+        "device": model.engine.device_name, "kv_copied_bytes": rows.copied_bytes, "kv_bytes": rows.kv_bytes,
+        "rows": rows.kind,
     }
-    speculator = batch.speculator
+    speculator = rows.speculator
     if speculator is not None:
-        counters = batch.batch.counters
+        counters = rows.engine.counters
         summary.update(drafted_tokens=speculator.stats.num_drafted, accepted_tokens=speculator.stats.num_accepted,
                        verify_steps=speculator.stats.num_steps, decode_steps=counters.num_decode_steps,
                        acceptance_rate=round(speculator.stats.acceptance_rate, 3),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from staticlm.runtime.continuous import ContinuousBatcher
+from staticlm.runtime.loop import GenerationLoop
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -11,7 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2
 class ServeMetrics:
     """One registry per server (tests may run several in a process)."""
 
-    def __init__(self, batcher: ContinuousBatcher) -> None:
+    def __init__(self, batcher: GenerationLoop) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("staticlm_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.client_aborts = Counter("staticlm_client_aborts", "requests whose client left before the answer "

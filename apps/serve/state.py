@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from staticlm.runtime.continuous import ContinuousBatcher
+from staticlm.runtime.loop import GenerationLoop
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
 
@@ -30,7 +30,7 @@ class ServeState:
 
     @classmethod
     def build(cls, model: Model, serve: ServeOptions) -> ServeState:
-        batcher = ContinuousBatcher(model, max_queue=serve.max_queue, prompt_cache=serve.prompt_cache)
+        batcher = model.open_loop(max_queue=serve.max_queue, prompt_cache=serve.prompt_cache, eager=True)
         m = model.manifest
         grammars = Grammars(Path(model.engine.model_dir) / m.tokenizer_file, vocab_size=m.model.vocab_size,
                             eos_token_ids=model.tokenizer.eos_token_ids)
@@ -39,7 +39,7 @@ class ServeState:
                    model_id=serve.model_id or Path(model.engine.model_dir).resolve().name, created=int(time.time()))
 
     @property
-    def batcher(self) -> ContinuousBatcher:
+    def batcher(self) -> GenerationLoop:
         return self.worker.batcher
 
     @property

@@ -1,6 +1,6 @@
 """The engine's thread, and the bridge from its events to the asyncio handlers that wait for them.
 
-One thread runs `ContinuousBatcher.step()` back to back while there is work and sleeps on an event otherwise;
+One thread runs `GenerationLoop.step()` back to back while there is work and sleeps on an event otherwise;
 HTTP handlers submit requests from the event loop and read their events from an asyncio queue, which the engine
 thread fills through `loop.call_soon_threadsafe` (it never blocks on a client).
 """
@@ -11,14 +11,14 @@ import sys
 import threading
 import traceback
 
-from staticlm.runtime.continuous import ContinuousBatcher
+from staticlm.runtime.loop import GenerationLoop
 from staticlm.runtime.sequence_request import Event, SequenceRequest
 
 IDLE_WAIT_S = 0.5
 
 
 class EngineWorker:
-    def __init__(self, batcher: ContinuousBatcher) -> None:
+    def __init__(self, batcher: GenerationLoop) -> None:
         self.batcher = batcher
         self._wake = threading.Event()
         self._stopping = False
