@@ -45,12 +45,13 @@ class _Admission:
 class GenerationLoop:
     """model: opened once (model.py); max_queue: requests that may wait beyond the rows free now (QueueFull past
     it); prompt_cache: reuse the rows' cached prefixes; eager: open the rows' graphs now (a server), not when a
-    second sequence first needs them."""
+    second sequence first needs them; rows: force "copies" or "segments" (see rows.py)."""
 
-    def __init__(self, model, *, max_queue: int = 64, prompt_cache: bool = True, eager: bool = False) -> None:
+    def __init__(self, model, *, max_queue: int = 64, prompt_cache: bool = True, eager: bool = False,
+                 rows: str | None = None) -> None:
         self.model, self.use_cache = model, prompt_cache
         self.lane = model.generator
-        self.rows = Rows(model, eager=eager)
+        self.rows = Rows(model, eager=eager, kind=rows)
         self.scheduler: RowScheduler = RowScheduler(num_rows=self.rows.num_rows, max_queue=max_queue)
         self.cache = PromptCache(self.rows.num_rows)
         self._admitting: deque[_Admission] = deque()
@@ -162,7 +163,11 @@ class GenerationLoop:
             self.rows.load(rows, self.lane.engine)
         logits, now = self.lane.next_logits, time.perf_counter()  # [V]
         for r, seq in zip(rows, seqs, strict=True):
-            self._take(r, seq, choose(seq, logits), now=now)
+            try:
+                self._take(r, seq, choose(seq, logits), now=now)
+            except Exception as e:  # noqa: BLE001 -- e.g. a grammar that broke: fail its request only
+                self._fail(request, e)
+                return
 
     def _migrate_solo(self) -> None:
         """A sequence decoding alone on the lane moves into its row: one copy of its KV."""

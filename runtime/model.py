@@ -114,8 +114,7 @@ class Model:
             raise InvalidOption(f"{self.engine.model_dir}: --num-responses is not available for a model with "
                                 "sliding-window layers (its batched graphs are not exported yet); run one at a time")
         if num_responses > 1 and not self.loop.rows.available:
-            raise InvalidOption(f"{self.engine.model_dir} has no batched graphs for several responses: export it "
-                                "with --batch-sizes")
+            raise InvalidOption(self.loop.rows.unavailable)
         return generate_many(self.loop, prompt_ids, params or self.options.generation_params(),
                              num_responses=num_responses, on_text=on_text, should_stop=should_stop)
 

@@ -20,9 +20,9 @@ from staticlm.kv_manager import Overflow, Strategy
 
 from .device import DEFAULT_SOC_MODEL, Device, DeviceOptions
 from .engine import EngineOptions
-from .text_stream import GenerationParams
 from .sampling import SamplingParams
 from .speculate_options import SpeculateOptions
+from .text_stream import GenerationParams
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 SAME = object()  # an app_default equal to the CLI's
@@ -74,6 +74,9 @@ class RunOptions:
                                     "the family's segmented graphs (cpu families) instead of its own copy: about "
                                     "1/n of the KV memory, a cheaper step on long prompts, a dearer one on short "
                                     "ones", reloads=True)
+    lone_rows: bool = option(False, "let a decode step run one row alone (cpu families): faster decode, but a "
+                             "greedy answer may then change with the prompt cache, the batch or speculation",
+                             reloads=True)
     speculate: str = option("none", "speculative decoding: none, lookup or draft:DIR", reloads=True)
     draft_len: int | None = option(None, "fixed draft length (default: BASS's dynamic one)", low=1, reloads=True)
     # -- each answer -----------------------------------------------------------------------------------
@@ -103,7 +106,7 @@ class RunOptions:
                                                   soc_model=self.soc_model),
                              kv_strategy=self.kv_strategy, kv_reserve=self.kv_reserve, overflow=self.overflow,
                              bmc_r=self.bmc_r, prepack=self.prepack, run_parts=self.run_parts,
-                             prefill_workers=self.prefill_workers)
+                             prefill_workers=self.prefill_workers, paired_rows=not self.lone_rows)
 
     def speculate_options(self) -> SpeculateOptions:
         return SpeculateOptions.parse(self.speculate, fixed_length=self.draft_len)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from staticlm.errors import InvalidOption
+
 from .engine import Engine
 from .family.manifest import GraphKind
 from .running import RunningSequence
@@ -19,19 +21,26 @@ from .segment_engine import SegmentEngine, has_segments
 
 
 class Rows:
-    def __init__(self, model, *, eager: bool = False) -> None:
+    def __init__(self, model, *, eager: bool = False, kind: str | None = None) -> None:
+        """kind: "copies" or "segments" to compare them (a benchmark); None: the family's and the options' choice."""
         self.model = model
         lane = model.engine
         copies = max((g.shape.batch for g in lane.manifest.graphs if g.kind is GraphKind.DECODE), default=1)
         segmented = max((g.shape.batch for g in lane.manifest.graphs if g.kind is GraphKind.SEGMENT), default=1)
-        use_segments = segmented > 1 and has_segments(lane, segmented) and (
-            copies == 1 or model.options.shared_prompt_kv)
+        can_segment = segmented > 1 and has_segments(lane, segmented)
+        use_segments = can_segment and (copies == 1 or model.options.shared_prompt_kv if kind is None
+                                        else kind == "segments")
         self.kind = "segments" if use_segments else "copies" if copies > 1 else None
         self.num_rows = segmented if use_segments else copies
+        self.unavailable = (None if self.kind else
+                            f"{lane.model_dir}: its batched graphs read one shared prompt segment, which --on-overflow "
+                            "slide cannot keep; use --on-overflow error, or one response at a time" if segmented > 1
+                            else f"{lane.model_dir} has no batched graphs for several responses: export it with "
+                            "--batch-sizes")
         self._engine: Engine | SegmentEngine | None = None
         self.speculator = None
         if eager and self.kind is not None:
-            self._open()
+            self.open()
 
     @property
     def available(self) -> bool:
@@ -49,16 +58,21 @@ class Rows:
 
     @property
     def engine(self) -> Engine | SegmentEngine:
-        return self._engine if self._engine is not None else self._open()
+        return self._engine if self._engine is not None else self.open()
 
-    def _open(self) -> Engine | SegmentEngine:
+    def open(self) -> Engine | SegmentEngine:
         lane, speculates = self.model.engine, self.model.speculates
         if self.kind == "segments":
             self._engine = SegmentEngine(lane, batch=self.num_rows)
         else:
             self._engine = Engine(lane.model_dir, options=lane.options, batch=self.num_rows, weights_from=lane)
+        if speculates and not self._engine.verify_lens:
+            raise InvalidOption(f"{lane.model_dir} has no batched verify graphs for {self.num_rows} rows: " + (
+                "its segmented graphs have no verify length (exported with --verify-lens none); run several "
+                "responses without --speculate" if self.kind == "segments"
+                else f"export it with --batch-sizes {self.num_rows}"))
         self._engine.warm_up(verify=speculates)
-        if speculates and self._engine.verify_lens:
+        if speculates:
             self.speculator = self.model.speculator(num_sequences=self.num_rows)
         return self._engine
 

@@ -1,8 +1,9 @@
 """Several responses on segmented graphs: the prompt's K/V read in place from the engine that prefilled it.
 
-SegmentEngine offers what BatchGenerator and BatchSpeculator ask of a batched Engine (load_prefix, decode_batch,
-verify, commit, ...), but holds no copy of the prompt: `load_prefix` binds the prompt engine's cached rows as the
-shared prompt segment and starts an empty ResponseCache for the responses' own rows (kv_manager/segments.py).
+SegmentEngine offers what the loop's rows (rows.py) and BatchSpeculator ask of a batched Engine (load_prefix,
+decode_batch, verify, commit, ...), but holds no copy of the prompt: `load_prefix` binds the prompt engine's cached
+rows as the shared prompt segment and starts an empty ResponseCache for the responses' own rows
+(kv_manager/segments.py).
 The response buffer, read whole by the graphs, grows SEGMENT_STEP rows at a time (a cpu family: the graphs'
 response length climbs a ladder of that step) or from rung to rung of the graphs' static response lengths (an HTP
 family); segment_layout.py holds the difference.

@@ -1,6 +1,6 @@
 """One response's text, fed one token at a time: where it ends and what of it can be shown yet.
 
-Generator.stream (one sequence) and BatchGenerator (one TextStream per sequence) share it, so EOS, stop
+Every choice the generation loop runs (loop.py) has one, so EOS, stop
 strings, the max_new_tokens limit, incremental detokenization and the final flush are decided in one place.
 """
 from __future__ import annotations

@@ -26,6 +26,17 @@ def graph_path(family: Path, kind: str, *, ar: int, batch: int = 1) -> Path:
     return Path(family) / entry.file
 
 
+def model_of(engine, *, speculator=None):
+    """A Model over an engine the test opened (its own EngineOptions): its answers run through the generation loop;
+    speculator: the single-sequence one (None: plain decoding)."""
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
+
+    model = Model(engine, options=RunOptions())
+    model.generator.speculator = speculator
+    return model
+
+
 def tiny_tokenizer_json() -> str:
     """A byte-level tokenizer: 256 byte tokens, no merges, then the specials (vocab 260)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

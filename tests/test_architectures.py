@@ -67,11 +67,12 @@ def _engine(family):
 
 
 def _greedy(family, n: int) -> list[int]:
-    from staticlm.runtime.generator import GenerationParams, Generator
-    from staticlm.runtime.model import open_tokenizer
+    from conftest import model_of
 
-    gen = Generator(_engine(family), open_tokenizer(family))
-    return list(gen.generate(PROMPT, GenerationParams(max_new_tokens=n, ignore_eos=True)).token_ids)
+    from staticlm.runtime.text_stream import GenerationParams
+
+    params = GenerationParams(max_new_tokens=n, ignore_eos=True)
+    return list(model_of(_engine(family)).generate(PROMPT, params).token_ids)
 
 
 def _teacher_forced(family) -> np.ndarray:

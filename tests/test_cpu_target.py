@@ -283,11 +283,13 @@ def test_batched_and_speculative_decoding_reproduce_plain_decoding(cpu_families,
     # The batch-4 graph (per-sequence windows, or ragged lengths in one in-place buffer) and the verify graphs
     # (AR=4 rows, right-padded) run the same math as the AR=1 graph: same logits per sequence, same greedy
     # tokens with prompt-lookup drafts.
+    from conftest import model_of
+
     from staticlm.runtime.drafters import PromptLookupDrafter
     from staticlm.runtime.engine import Engine
-    from staticlm.runtime.generator import GenerationParams, Generator
     from staticlm.runtime.model import open_tokenizer
     from staticlm.runtime.speculative import Speculator
+    from staticlm.runtime.text_stream import GenerationParams
 
     family = cpu_families[name]
     prompt = np.random.default_rng(5).integers(0, 256, 11)
@@ -306,11 +308,10 @@ def test_batched_and_speculative_decoding_reproduce_plain_decoding(cpu_families,
 
     ids = open_tokenizer(family).encode("abcabcabcabc abcabc", add_special_tokens=False)
     params = GenerationParams(max_new_tokens=30, ignore_eos=True)
-    plain = Generator(engine(family), open_tokenizer(family)).generate(ids, params).token_ids
-    spec = Generator(engine(family), open_tokenizer(family))
-    spec.speculator = Speculator(PromptLookupDrafter())
+    plain = model_of(engine(family)).generate(ids, params).token_ids
+    spec = model_of(engine(family), speculator=Speculator(PromptLookupDrafter()))
     assert spec.generate(ids, params).token_ids == plain
-    assert spec.speculator.stats.num_drafted > 0
+    assert spec.generator.speculator.stats.num_drafted > 0
 
 
 # -- bad input -------------------------------------------------------------------------------------------

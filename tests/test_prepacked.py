@@ -50,8 +50,6 @@ def _external(model: onnx.ModelProto) -> dict[str, dict[str, str]]:
 
 
 def test_one_session_serves_every_in_place_shape(families):
-    from staticlm.runtime.batch import BatchGenerator  # noqa: F401 -- the batched engine is made the same way
-
     engine = Engine(families["gqa"], options=CPU)
     engine.warm_up()  # decode, the prompt chunk and the verify graph
     engine.prefill(list(range(3, 3 + 2 * TINY_PREFILL + 3)))

@@ -7,14 +7,15 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import model_of
 from reference import hf_greedy
 
 from staticlm.kv_manager import Strategy
 from staticlm.runtime.device import Device, DeviceOptions
 from staticlm.runtime.engine import Engine, EngineOptions
-from staticlm.runtime.generator import GenerationParams, Generator
 from staticlm.runtime.model import Model, open_tokenizer
 from staticlm.runtime.options import RunOptions
+from staticlm.runtime.text_stream import GenerationParams
 
 CPU = DeviceOptions(device=Device.CPU, num_threads=2)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -33,8 +34,7 @@ def engine_for(family, *, strategy=Strategy.POINTER, reserve=2.0, device=CPU) ->
 
 def greedy(family, prompt_ids, num_new, **kw) -> tuple[list[int], Engine]:
     engine = engine_for(family, **kw)
-    gen = Generator(engine, open_tokenizer(family))
-    result = gen.generate(list(prompt_ids), GenerationParams(max_new_tokens=num_new, ignore_eos=True))
+    result = model_of(engine).generate(list(prompt_ids), GenerationParams(max_new_tokens=num_new, ignore_eos=True))
     return result.token_ids, engine
 
 
@@ -64,8 +64,7 @@ def test_tiny_greedy_matches_transformers_on_every_kv_strategy(tiny_family, tiny
 
 def test_tiny_zero_copy_bindings_are_the_buffers_own(tiny_family):
     engine = engine_for(tiny_family)
-    gen = Generator(engine, open_tokenizer(tiny_family))
-    gen.generate(plain_ids(tiny_family, "hi"), GenerationParams(max_new_tokens=20, ignore_eos=True))
+    model_of(engine).generate(plain_ids(tiny_family, "hi"), GenerationParams(max_new_tokens=20, ignore_eos=True))
     assert engine.kv.stats.copied_bytes == 0 and engine.kv.stats.num_compactions == 0
     runner = engine.runner(engine._rung(engine._decode, engine.num_cached - 1))
     p = runner.shape.past_len

@@ -281,12 +281,12 @@ def test_bass_runs_on_the_segmented_verify_graphs(families):
 def test_what_the_segmented_graphs_cannot_serve_is_a_user_error(families, tmp_path):
     # No verify graphs (exported with --verify-lens none), and a sliding prompt has no fixed segment: one-line user
     # errors, not a batched engine that fails on its first step.
+    from conftest import model_of
+
     from staticlm.errors import UserError
     from staticlm.kv_manager import Overflow
-    from staticlm.runtime.batch import BatchGenerator
-    from staticlm.runtime.batch_speculative import BatchSpeculator
-    from staticlm.runtime.drafters import PromptLookupDrafter
-    from staticlm.runtime.model import open_tokenizer
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
 
     family = tmp_path / "decode_only"  # the family as `--verify-lens none` writes it: no segmented verify graphs
     shutil.copytree(families["kv16"], family)
@@ -294,10 +294,9 @@ def test_what_the_segmented_graphs_cannot_serve_is_a_user_error(families, tmp_pa
     manifest = dataclasses.replace(manifest, graphs=tuple(g for g in manifest.graphs
                                                           if g.kind is not GraphKind.SEGMENT or g.shape.ar == 1))
     manifest.save(family)
-    tokenizer = open_tokenizer(family)
+    speculating = Model(_engine(family), options=RunOptions(speculate="lookup", shared_prompt_kv=True))
     with pytest.raises(UserError, match="no verify length"):
-        BatchGenerator(_engine(family), tokenizer, num_rows=4, segments=True,
-                       speculator=BatchSpeculator([PromptLookupDrafter()] * 4))
-    sliding = Engine(family, options=EngineOptions(device=CPU, overflow=Overflow.SLIDE))
+        speculating.generate_many([5, 6, 7], num_responses=4)
+    sliding = model_of(Engine(family, options=EngineOptions(device=CPU, overflow=Overflow.SLIDE)))
     with pytest.raises(UserError, match="on-overflow slide"):
-        BatchGenerator(sliding, tokenizer, num_rows=4, segments=True)
+        sliding.generate_many([5, 6, 7], num_responses=4)

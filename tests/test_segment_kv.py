@@ -148,43 +148,46 @@ def _varied_greedy():
 
 def _batch_generate(family: Path, ids: list[int], params, *, segments: bool, num_responses: int = 4,
                     speculate: bool = False):
-    from staticlm.runtime.batch import BatchGenerator
+    """The generation loop's rows of one kind, and the answers it gave (with BASS over lookup drafts)."""
+    from conftest import model_of
+
     from staticlm.runtime.batch_speculative import BatchSpeculator
     from staticlm.runtime.drafters import PromptLookupDrafter
-    from staticlm.runtime.model import open_tokenizer
+    from staticlm.runtime.drive import generate_many
+    from staticlm.runtime.loop import GenerationLoop
 
-    speculator = BatchSpeculator([PromptLookupDrafter()] * 4) if speculate else None
-    gen = BatchGenerator(_engine(family), open_tokenizer(family), num_rows=4, speculator=speculator,
-                         segments=segments)
-    return gen, gen.generate(ids, params, num_responses=num_responses)
+    loop = GenerationLoop(model_of(_engine(family)), rows="segments" if segments else "copies", eager=True)
+    assert loop.rows.kind == ("segments" if segments else "copies")
+    if speculate:
+        loop.rows.speculator = BatchSpeculator([PromptLookupDrafter()] * loop.num_rows)
+    return loop.rows, generate_many(loop, ids, params, num_responses=num_responses)
 
 
 def _single_tokens(family: Path, ids: list[int], params) -> list[int]:
-    from staticlm.runtime.generator import Generator
-    from staticlm.runtime.model import open_tokenizer
+    from conftest import model_of
 
-    return Generator(_engine(family), open_tokenizer(family)).generate(ids, params).token_ids
+    return model_of(_engine(family)).generate(ids, params).token_ids
 
 
 @pytest.mark.parametrize("num_responses", [4, 2])
 def test_greedy_responses_equal_single_runs(families, num_responses):
     # n = 2 runs on the batch-4 export, its two spare rows inactive.
-    from staticlm.runtime.generator import GenerationParams
     from staticlm.runtime.segment_engine import SegmentEngine
+    from staticlm.runtime.text_stream import GenerationParams
 
     family = families["gqa"]
     ids = list(np.random.default_rng(8).integers(0, 256, 9))
     params = GenerationParams(max_new_tokens=40, ignore_eos=True, sampling=_varied_greedy())
     gen, responses = _batch_generate(family, ids, params, segments=True, num_responses=num_responses)
-    assert isinstance(gen.batch, SegmentEngine) and gen.batch.batch == 4
+    assert isinstance(gen.engine, SegmentEngine) and gen.engine.batch == 4
     want = _single_tokens(family, ids, params)
     assert len(responses) == num_responses and len(set(want)) > 10
     assert [r.token_ids for r in responses] == [want] * num_responses
 
 
 def test_seeded_sampled_responses_equal_the_copy_based_path(families):
-    from staticlm.runtime.generator import GenerationParams
     from staticlm.runtime.sampling import SamplingParams
+    from staticlm.runtime.text_stream import GenerationParams
 
     family = families["windows"]
     ids = list(np.random.default_rng(9).integers(0, 256, 10))
@@ -192,20 +195,20 @@ def test_seeded_sampled_responses_equal_the_copy_based_path(families):
                               sampling=SamplingParams(temperature=1.0, top_k=50, seed=11))
     _, segmented = _batch_generate(family, ids, params, segments=True)
     copied_gen, copied = _batch_generate(family, ids, params, segments=False)
-    assert copied_gen.batch.kv.stats.copied_rows >= 4 * len(ids)  # the reference really copied the prompt
+    assert copied_gen.engine.kv.stats.copied_rows >= 4 * len(ids)  # the reference really copied the prompt
     assert [r.token_ids for r in segmented] == [r.token_ids for r in copied]
     assert len({tuple(r.token_ids) for r in segmented}) > 1  # the sampled answers differ: the test means something
 
 
 def test_bass_runs_on_segmented_verify_graphs(families):
-    from staticlm.runtime.generator import GenerationParams
     from staticlm.runtime.model import open_tokenizer
+    from staticlm.runtime.text_stream import GenerationParams
 
     family = families["gqa"]
     ids = open_tokenizer(family).encode("abcabcabcabc abcabc", add_special_tokens=False)
     params = GenerationParams(max_new_tokens=30, ignore_eos=True)  # plain greedy repeats: lookup drafts find matches
     gen, responses = _batch_generate(family, ids, params, segments=True, speculate=True)
-    assert gen.speculator.stats.num_drafted > 0 and gen.batch.counters.num_verify_steps > 0
+    assert gen.speculator.stats.num_drafted > 0 and gen.engine.counters.num_verify_steps > 0
     assert [r.token_ids for r in responses] == [_single_tokens(family, ids, params)] * 4
 
 

@@ -51,7 +51,7 @@ def greedy_reference(model, ids: list[int], max_new: int, **params):
     from staticlm.runtime.text_stream import GenerationParams
 
     model.generator.reset()  # no prompt cache in the reference: every prefill from scratch
-    return model.generator.generate(ids, GenerationParams(max_new_tokens=max_new, **params))
+    return model.generate(ids, GenerationParams(max_new_tokens=max_new, **params))
 
 
 def chat_ids(model, text: str, system: str | None = None) -> list[int]:

@@ -49,7 +49,7 @@ def _greedy_text(model, text: str, system: str | None = None) -> str:
 
     ids = model.format.prompt_ids([Message(role="user", content=text)], system_prompt=system)
     model.generator.reset()
-    return model.generator.generate(ids, GenerationParams(max_new_tokens=MAX_NEW)).text
+    return model.generate(ids, GenerationParams(max_new_tokens=MAX_NEW)).text
 
 
 def test_text_streamed_and_not_equals_the_generator(client, model, reference):

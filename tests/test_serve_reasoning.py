@@ -85,7 +85,7 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
     from staticlm.runtime.text_stream import GenerationParams
 
     model.generator.reset()
-    return list(model.generator.generate(ids, GenerationParams(max_new_tokens=n, ignore_eos=True)).token_ids)
+    return list(model.generate(ids, GenerationParams(max_new_tokens=n, ignore_eos=True)).token_ids)
 
 
 def _ask(client, text: str, *, stream: bool = False, **extra):

@@ -49,7 +49,7 @@ def test_text_streamed_and_not_equals_the_generator(client, model, reference):
 
     ids = reference.format.prompt_ids([Message(role="user", content="abc abd")], system_prompt="Be brief.")
     reference.generator.reset()
-    want = reference.generator.generate(ids, GenerationParams(max_new_tokens=MAX_NEW)).text
+    want = reference.generate(ids, GenerationParams(max_new_tokens=MAX_NEW)).text
     kw = dict(model=model, instructions="Be brief.", max_output_tokens=MAX_NEW, temperature=0,
               input=[{"role": "user", "content": [{"type": "input_text", "text": "abc abd"}]}])
     got = client.responses.create(**kw)

@@ -121,7 +121,6 @@ def _open(family: Path):
 
 @pytest.mark.parametrize("layout", ["windows", "in_place"])
 def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, tiny_chat_family, in_place_family):
-    from staticlm.runtime.continuous import ContinuousBatcher
     from staticlm.runtime.sequence_request import Admitted, Finished, SequenceRequest
     from staticlm.runtime.text_stream import FinishReason, GenerationParams
 
@@ -134,8 +133,8 @@ def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, 
     want = []
     for ids, p in zip(prompts, params):
         reference.generator.reset()
-        want.append(reference.generator.generate(ids, p).token_ids)
-    batcher = ContinuousBatcher(served, max_queue=8)
+        want.append(reference.generate(ids, p).token_ids)
+    batcher = served.open_loop(max_queue=8, eager=True)
     events: list[list] = [[] for _ in prompts]
     requests = [SequenceRequest(prompt_ids=ids, params=p, on_event=events[i].append)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
@@ -144,7 +143,7 @@ def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, 
         batcher.step()
         batcher.step()
         if i == 0:  # alone, it decoded on the one-sequence graphs; the next one moves it into its batch row
-            assert batcher.batch.counters.num_decode_steps == 0 and batcher.num_steps == 2
+            assert batcher.rows.engine.counters.num_decode_steps == 0 and batcher.num_steps == 2
     requests[5].cancel()  # a cancelled request frees its row at the next step
     while batcher.step():
         pass
@@ -161,7 +160,6 @@ def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, 
 
 
 def test_a_request_that_breaks_fails_alone_and_the_others_finish(tiny_chat_family):
-    from staticlm.runtime.continuous import ContinuousBatcher
     from staticlm.runtime.sequence_request import Failed, Finished, SequenceRequest
     from staticlm.runtime.text_stream import GenerationParams
 
@@ -179,8 +177,8 @@ def test_a_request_that_breaks_fails_alone_and_the_others_finish(tiny_chat_famil
     reference, served = _open(tiny_chat_family), _open(tiny_chat_family)
     ids = reference.tokenizer.encode("The cat", add_special_tokens=False)
     params = GenerationParams(max_new_tokens=12, ignore_eos=True)
-    want = reference.generator.generate(ids, params).token_ids
-    batcher = ContinuousBatcher(served)
+    want = reference.generate(ids, params).token_ids
+    batcher = served.open_loop()
     good, bad = [], []
     batcher.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=good.append))
     batcher.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=bad.append, num_choices=2,

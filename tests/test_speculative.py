@@ -4,16 +4,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import model_of
 from reference import hf_greedy
 
 from staticlm.runtime.device import Device, DeviceOptions
 from staticlm.runtime.drafters import DraftModelDrafter, PromptLookupDrafter
 from staticlm.runtime.engine import Engine, EngineOptions
-from staticlm.runtime.generator import GenerationParams, Generator
 from staticlm.runtime.model import open_tokenizer
 from staticlm.runtime.sampling import SamplingParams
 from staticlm.runtime.speculation_policy import DraftLength, SpeculationPolicy
 from staticlm.runtime.speculative import Speculator
+from staticlm.runtime.text_stream import GenerationParams
 
 CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
 REWRITE = ("Copy this sentence exactly, then copy it again: the quick brown fox jumps over the lazy dog "
@@ -33,10 +34,9 @@ def tiny_draft_family(tiny_hf_dir, tmp_path_factory):
     return out
 
 
-def generator(family, speculator=None) -> Generator:
-    gen = Generator(Engine(family, options=CPU), open_tokenizer(family))
-    gen.speculator = speculator
-    return gen
+def generator(family, speculator=None):
+    """A model over the family whose one-sequence answers use speculator (None: plain decoding)."""
+    return model_of(Engine(family, options=CPU), speculator=speculator)
 
 
 def test_draft_length_follows_bass_algorithm_1():
@@ -141,11 +141,10 @@ def test_tiny_speculative_sampling_matches_the_target_distribution(tiny_chat_fam
                                               open_tokenizer(tiny_draft_family)),
                             length=DraftLength(initial=3, fixed=True))
     gen = generator(tiny_chat_family, speculator)
-    gen.seed(7)
-    params = GenerationParams(max_new_tokens=depth, ignore_eos=True,
-                              sampling=SamplingParams(temperature=temperature, top_k=top_k))
     counts = dict.fromkeys(expected, 0)
-    for _ in range(num_samples):
+    for seed in range(num_samples):  # a seed per answer: independent draws, the same ones on every run
+        params = GenerationParams(max_new_tokens=depth, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=temperature, top_k=top_k, seed=seed))
         counts[tuple(gen.generate(prompt, params).token_ids)] += 1  # a KeyError would be an impossible sequence
     assert speculator.stats.num_drafted > 0 and 0 < speculator.stats.num_accepted < speculator.stats.num_drafted
     cells = [c for c in expected if expected[c] * num_samples >= 5]  # chi-square needs expected counts >= 5

@@ -233,18 +233,18 @@ def test_text_stream_cancel_shows_the_held_back_text():
 
 
 def test_tiny_single_and_batched_generation_show_the_same_text(tiny_chat_family):
-    from staticlm.runtime.batch import BatchGenerator
+    from conftest import model_of
+
     from staticlm.runtime.device import Device, DeviceOptions
     from staticlm.runtime.engine import Engine, EngineOptions
-    from staticlm.runtime.generator import GenerationParams, Generator
     from staticlm.runtime.model import open_tokenizer
-    from staticlm.runtime.text_stream import FinishReason
+    from staticlm.runtime.text_stream import FinishReason, GenerationParams
 
     cpu = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
     tokenizer = open_tokenizer(tiny_chat_family)
     prompt = tokenizer.encode("abcabc abc", add_special_tokens=False)
-    single = Generator(Engine(tiny_chat_family, options=cpu), tokenizer)
-    batch = BatchGenerator(Engine(tiny_chat_family, options=cpu), tokenizer, num_rows=4)
+    single = model_of(Engine(tiny_chat_family, options=cpu))
+    batch = model_of(Engine(tiny_chat_family, options=cpu))  # a model of its own: its rows, not single's lane
     full = single.generate(prompt, GenerationParams(max_new_tokens=24, ignore_eos=True))
     stop = full.text[len(full.text) // 2:][:2]  # a stop string the answer reaches half way
     assert len(stop) == 2
@@ -255,7 +255,9 @@ def test_tiny_single_and_batched_generation_show_the_same_text(tiny_chat_family)
         want = single.last_result
         assert want.finish_reason is reason and "".join(chunks) == want.text
         shown: dict[int, list[str]] = {seq: [] for seq in range(4)}
-        responses = batch.generate(prompt, params, on_text=lambda seq, text, shown=shown: shown[seq].append(text))
+        responses = batch.generate_many(prompt, params, num_responses=4,
+                                        on_text=lambda seq, text, shown=shown: shown[seq].append(text))
+        assert batch.loop.rows.kind is not None  # the four answers ran on batch rows, not one by one
         for seq, response in enumerate(responses):
             assert (response.text, response.token_ids, response.finish_reason) == (
                 want.text, want.token_ids, want.finish_reason)

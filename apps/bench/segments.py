@@ -14,12 +14,13 @@ import time
 import numpy as np
 
 from staticlm.kv_manager.segments import copied_kv_rows, segment_kv_rows, token_bytes
-from staticlm.runtime.batch import BatchGenerator
+from staticlm.runtime.drive import generate_many
 from staticlm.runtime.engine import Engine
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
-from staticlm.runtime.text_stream import GenerationParams
+from staticlm.runtime.loop import GenerationLoop
 from staticlm.runtime.sampling import SamplingParams
 from staticlm.runtime.segment_engine import SegmentEngine
+from staticlm.runtime.text_stream import GenerationParams
 
 from .base import BenchContext, Row
 
@@ -57,18 +58,18 @@ def _step_costs(single: Engine, segmented: SegmentEngine, copied: Engine, ids: l
     return {k: float(np.median(v)) for k, v in out.items()}
 
 
-def _walls(gen, segmented: BatchGenerator, copied: BatchGenerator, ids: list[int], params, *,
+def _walls(model, segmented: GenerationLoop, copied: GenerationLoop, ids: list[int], params, *,
            rounds: int) -> dict[str, float]:
     """Seconds to get all the answers: together (segmented, copy-based) and one after another with the prompt
     prefilled once and reused (the generator's prefix cache); interleaved rounds, the fastest of each (noise only
     adds)."""
     def sequential():
-        gen.reset()
+        model.generator.reset()
         for _ in range(NUM_RESPONSES):  # later runs rewind to the cached prompt (sync_prefix)
-            gen.generate(ids, params)
+            model.generate(ids, params)
 
-    runs = {"segment": lambda: segmented.generate(ids, params, num_responses=NUM_RESPONSES),
-            "copy": lambda: copied.generate(ids, params, num_responses=NUM_RESPONSES), "sequential": sequential}
+    runs = {"segment": lambda: generate_many(segmented, ids, params, num_responses=NUM_RESPONSES),
+            "copy": lambda: generate_many(copied, ids, params, num_responses=NUM_RESPONSES), "sequential": sequential}
     walls = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
         for name, run in runs.items():
@@ -88,10 +89,8 @@ def bench_segments(ctx: BenchContext) -> list[Row]:
     new_tokens = 8 if ctx.options.quick else NEW_TOKENS
     params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True,
                               sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
-    segmented = BatchGenerator(model.engine, model.tokenizer, num_rows=NUM_RESPONSES, segments=True)
-    copied = BatchGenerator(model.engine, model.tokenizer, num_rows=NUM_RESPONSES, segments=False)
-    segmented.batch.warm_up(verify=False)
-    copied.batch.warm_up(verify=False)
+    segmented = GenerationLoop(model, rows="segments", eager=True)
+    copied = GenerationLoop(model, rows="copies", eager=True)
     rows, raw = [], {}
     for prompt_len in PROMPT_LENS:
         if prompt_len + new_tokens + 1 > ctx.max_context or prompt_len > len(ctx.text_ids):
@@ -99,13 +98,14 @@ def bench_segments(ctx: BenchContext) -> list[Row]:
             continue
         ids = list(ctx.text_ids[:prompt_len])
         ctx.log(f"  segments: {NUM_RESPONSES} responses to a {prompt_len}-token prompt ...")
-        walls = _walls(model.generator, segmented, copied, ids, params,
+        walls = _walls(model, segmented, copied, ids, params,
                        rounds=1 if ctx.options.quick else WALL_ROUNDS)
         gen = model.generator
-        kv_segment = segmented.batch.segments.kv_bytes
-        kv_copy_valid = int(copied.batch.kv.lengths.sum()) * token_bytes(copied.batch.kv.spec)
-        kv_copy_reserved = copied.batch.kv.stats.reserved_bytes
-        steps = _step_costs(model.engine, segmented.batch, copied.batch, ids, num_steps=8 if ctx.options.quick else 32)
+        seg_engine, copy_engine = segmented.rows.engine, copied.rows.engine
+        kv_segment = seg_engine.segments.kv_bytes
+        kv_copy_valid = int(copy_engine.kv.lengths.sum()) * token_bytes(copy_engine.kv.spec)
+        kv_copy_reserved = copy_engine.kv.stats.reserved_bytes
+        steps = _step_costs(model.engine, seg_engine, copy_engine, ids, num_steps=8 if ctx.options.quick else 32)
         gen.reset()
         cached = new_tokens - 1  # a response's last token is sampled, never fed back: it has no KV row
         formula = segment_kv_rows(num_prompt=prompt_len, num_responses=NUM_RESPONSES, response_len=cached)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.engine import StepCounters
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
-from staticlm.runtime.text_stream import GenerationParams
 from staticlm.runtime.model import Model
 from staticlm.runtime.sampling import SamplingParams
+from staticlm.runtime.text_stream import GenerationParams
 from staticlm.runtime.tokenizer import Tokenizer
 
 from .base import BenchContext, Row
@@ -132,20 +132,18 @@ def bench_responses(ctx: BenchContext) -> list[Row]:
     # Equal work for both: sampled (so the answers differ), never stopping early.
     params = GenerationParams(max_new_tokens=max_new, ignore_eos=True,
                               sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
-    batch = model.batch(NUM_RESPONSES)
-    batch.batch.warm_up()
+    model.loop.rows.open()  # before the clock starts
     ctx.log(f"  {NUM_RESPONSES} responses together ...")
     t0 = time.perf_counter()
-    responses = batch.generate(ids, params)
+    responses = model.generate_many(ids, params, num_responses=NUM_RESPONSES)
     together = time.perf_counter() - t0
     total = sum(len(r.token_ids) for r in responses)
     ctx.log(f"  {NUM_RESPONSES} responses one after another ...")
-    gen = model.generator
     t0 = time.perf_counter()
     seq_tokens, first_seq = 0, 0.0
     for _ in range(NUM_RESPONSES):
-        gen.reset()
-        seq_tokens += len(gen.generate(ids, params).token_ids)
+        model.generator.reset()
+        seq_tokens += len(model.generate(ids, params).token_ids)
         first_seq = first_seq or time.perf_counter() - t0
     sequential = time.perf_counter() - t0
     first = min(r.last_token_s for r in responses)

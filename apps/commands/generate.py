@@ -11,9 +11,9 @@ from staticlm.apps.models import open_model
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import Overflow
 from staticlm.runtime.chat_template import Message
-from staticlm.runtime.text_stream import FinishReason
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
+from staticlm.runtime.text_stream import FinishReason
 
 
 def run_generate(*, prompt: str, options: RunOptions, chat: bool = True, num_responses: int = 1,

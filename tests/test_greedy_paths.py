@@ -1,0 +1,95 @@
+"""Greedy is a function of the tokens: the same prompt gives the same answer whatever path its rows took.
+
+The paths: a cold prefill, a prefix from the lane's cache, a prefix from a batch row's cache (the prompt cache),
+other prompt-chunk lengths, a batch shared with other requests, n > 1 answers, and speculation. ORT's CPU kernels
+round a step of one real row differently from a step of several (Engine.pairs_rows); the default SmolLM2 family
+(int8 activations in MatMulNBits) shows it, so these run on it. The reference for every path is the cold,
+single-sequence answer; the last test shows the paths really do disagree when a row may run alone.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import model_of
+
+from staticlm.runtime.device import Device, DeviceOptions
+from staticlm.runtime.drafters import PromptLookupDrafter
+from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.sequence_request import Finished, SequenceRequest
+from staticlm.runtime.speculative import Speculator
+from staticlm.runtime.text_stream import GenerationParams
+
+pytestmark = pytest.mark.slow
+
+TEXT = (Path(__file__).parents[1] / "apps" / "data" / "eval_en.txt").read_text()
+PARAMS = GenerationParams(max_new_tokens=32, ignore_eos=True)
+NUM_PROMPTS = 6
+
+
+def _model(family, **engine):
+    cpu = DeviceOptions(device=Device.CPU, num_threads=2)
+    return model_of(Engine(family, options=EngineOptions(device=cpu, **engine)))
+
+
+def _prompts(model) -> list[list[int]]:
+    return [model.tokenizer.encode(TEXT[i * 500:i * 500 + 350]) for i in range(NUM_PROMPTS)]
+
+
+def _cold(model, ids) -> list[int]:
+    model.generator.reset()
+    return model.generate(ids, PARAMS).token_ids
+
+
+def _paths(model, ids) -> dict[str, list[int]]:
+    """The answer to ids along paths that share nothing but the tokens."""
+    out = {"cold": _cold(model, ids), "all but the last token cached": model.generate(ids, PARAMS).token_ids}
+    model.generator.reset()
+    model.generator.append_tokens(ids[:len(ids) // 2])
+    out["half cached"] = model.generate(ids, PARAMS).token_ids
+    return out
+
+
+def test_the_family_pairs_rows(smollm2_family):
+    assert _model(smollm2_family).engine.pairs_rows  # else every test below would prove nothing about pairing
+
+
+def test_greedy_does_not_depend_on_the_cache_or_the_chunk_length(smollm2_family):
+    model, short_chunks = _model(smollm2_family), _model(smollm2_family, prefill_rows=8)
+    for ids in _prompts(model):
+        paths = _paths(model, ids)
+        paths["8-row chunks"] = _cold(short_chunks, ids)
+        assert all(answer == paths["cold"] for answer in paths.values()), {k: v[:8] for k, v in paths.items()}
+
+
+def test_greedy_does_not_depend_on_the_batch_or_speculation(smollm2_family):
+    model = _model(smollm2_family)
+    speculating = model_of(model.engine.__class__(model.engine.model_dir, options=model.engine.options),
+                           speculator=Speculator(PromptLookupDrafter()))
+    prompts = _prompts(model)
+    alone = [_cold(model, ids) for ids in prompts]
+    for ids, want in zip(prompts, alone, strict=True):
+        assert _cold(speculating, ids) == want
+        assert [r.token_ids for r in model.generate_many(ids, PARAMS, num_responses=3)] == [want] * 3
+    assert speculating.generator.speculator.stats.num_steps > 0  # the verify graph really ran
+    # every prompt at once, joining the rows one step apart: each shares its batch with the others
+    loop, finished = model.loop, {}
+    for i, ids in enumerate(prompts):
+        loop.submit(SequenceRequest(prompt_ids=ids, params=PARAMS, on_event=lambda e, i=i: finished.__setitem__(
+            i, list(e.token_ids)) if isinstance(e, Finished) else None))
+        loop.step()
+    while loop.step():
+        pass
+    assert [finished[i] for i in range(len(prompts))] == alone
+    assert loop.rows.engine.counters.num_decode_steps > 0  # they decoded together on the batch rows
+
+
+def test_a_row_run_alone_changes_some_answers(smollm2_family):
+    # Why the engine pairs rows: with a lone decode row the same paths disagree somewhere on these prompts.
+    model = _model(smollm2_family, paired_rows=False)
+    assert not model.engine.pairs_rows
+    disagreements = 0
+    for ids in _prompts(model):
+        paths = _paths(model, ids)
+        disagreements += sum(answer != paths["cold"] for answer in paths.values())
+    assert disagreements > 0
