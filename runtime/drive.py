@@ -7,12 +7,12 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from staticlm.errors import InvalidOption
 
 from .loop import GenerationLoop
-from .sequence_request import Admitted, Constraint, Delta, Event, Failed, Finished, SequenceRequest
+from .sequence_request import Admitted, Constraint, Delta, Event, Failed, Finished, SequenceRequest, TokenLogprob
 from .text_stream import FinishReason, GenerationParams
 
 
@@ -25,6 +25,7 @@ class GenerationResult:
     ttft_s: float
     prefill_tok_s: float
     decode_tok_s: float
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
 
 
 @dataclass
@@ -76,12 +77,14 @@ def stream(loop: GenerationLoop, prompt_ids: list[int], params: GenerationParams
     request = SequenceRequest(prompt_ids=list(prompt_ids), params=params, on_event=lambda event: None,
                               num_logprobs=num_logprobs, constraint=constraint)
     t0 = time.perf_counter()
-    prefilled, t_admitted = len(prompt_ids), t0
+    prefilled, t_admitted, logprobs = len(prompt_ids), t0, []
     for _, event in _run(loop, [request], first_index=[0], should_stop=should_stop):
         if isinstance(event, Admitted):
             prefilled, t_admitted = event.num_prompt_tokens - event.num_cached_tokens, event.time
-        elif isinstance(event, Delta) and event.text:
-            yield event.text
+        elif isinstance(event, Delta):
+            logprobs += event.logprobs
+            if event.text:
+                yield event.text
         elif isinstance(event, Finished):
             first = event.first_time or event.time
             num_decoded = max(len(event.token_ids) - 1, 0)
@@ -89,7 +92,7 @@ def stream(loop: GenerationLoop, prompt_ids: list[int], params: GenerationParams
                 token_ids=list(event.token_ids), text=event.text, finish_reason=event.reason,
                 prompt_tokens=prefilled, ttft_s=(first - t0) if event.token_ids else 0.0,
                 prefill_tok_s=prefilled / (t_admitted - t0) if t_admitted > t0 else 0.0,
-                decode_tok_s=num_decoded / (event.time - first) if event.time > first else 0.0))
+                decode_tok_s=num_decoded / (event.time - first) if event.time > first else 0.0, logprobs=logprobs))
 
 
 def generate_many(loop: GenerationLoop, prompt_ids: list[int], params: GenerationParams, *, num_responses: int,

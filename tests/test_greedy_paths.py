@@ -27,6 +27,18 @@ PARAMS = GenerationParams(max_new_tokens=32, ignore_eos=True)
 NUM_PROMPTS = 6
 
 
+@pytest.fixture(scope="module")
+def smollm2_cpu_family(smollm2_loaded, tmp_path_factory) -> Path:
+    """The default model as `--target cpu` writes it (one in-place graph for every shape), small contexts."""
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.family import ExportOptions
+
+    out = tmp_path_factory.mktemp("greedy_paths") / "family"
+    export_cpu_family(smollm2_loaded, out, options=ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(4, 8),
+                                                                 batch_sizes=(4,)))
+    return out
+
+
 def _model(family, **engine):
     cpu = DeviceOptions(device=Device.CPU, num_threads=2)
     return model_of(Engine(family, options=EngineOptions(device=cpu, **engine)))
@@ -50,20 +62,20 @@ def _paths(model, ids) -> dict[str, list[int]]:
     return out
 
 
-def test_the_family_pairs_rows(smollm2_family):
-    assert _model(smollm2_family).engine.pairs_rows  # else every test below would prove nothing about pairing
+def test_the_family_pairs_rows(smollm2_cpu_family):
+    assert _model(smollm2_cpu_family).engine.pairs_rows  # else every test below would prove nothing about pairing
 
 
-def test_greedy_does_not_depend_on_the_cache_or_the_chunk_length(smollm2_family):
-    model, short_chunks = _model(smollm2_family), _model(smollm2_family, prefill_rows=8)
+def test_greedy_does_not_depend_on_the_cache_or_the_chunk_length(smollm2_cpu_family):
+    model, short_chunks = _model(smollm2_cpu_family), _model(smollm2_cpu_family, prefill_rows=8)
     for ids in _prompts(model):
         paths = _paths(model, ids)
         paths["8-row chunks"] = _cold(short_chunks, ids)
         assert all(answer == paths["cold"] for answer in paths.values()), {k: v[:8] for k, v in paths.items()}
 
 
-def test_greedy_does_not_depend_on_the_batch_or_speculation(smollm2_family):
-    model = _model(smollm2_family)
+def test_greedy_does_not_depend_on_the_batch_or_speculation(smollm2_cpu_family):
+    model = _model(smollm2_cpu_family)
     speculating = model_of(model.engine.__class__(model.engine.model_dir, options=model.engine.options),
                            speculator=Speculator(PromptLookupDrafter()))
     prompts = _prompts(model)
@@ -84,9 +96,9 @@ def test_greedy_does_not_depend_on_the_batch_or_speculation(smollm2_family):
     assert loop.rows.engine.counters.num_decode_steps > 0  # they decoded together on the batch rows
 
 
-def test_a_row_run_alone_changes_some_answers(smollm2_family):
+def test_a_row_run_alone_changes_some_answers(smollm2_cpu_family):
     # Why the engine pairs rows: with a lone decode row the same paths disagree somewhere on these prompts.
-    model = _model(smollm2_family, paired_rows=False)
+    model = _model(smollm2_cpu_family, paired_rows=False)
     assert not model.engine.pairs_rows
     disagreements = 0
     for ids in _prompts(model):

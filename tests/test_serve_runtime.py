@@ -205,3 +205,61 @@ def test_a_bug_is_a_bare_500_for_the_client_and_a_traceback_on_the_servers_stder
     assert error.status == 500 and "missing" not in error.body()["error"]["message"]
     assert "Traceback" in capsys.readouterr().err
     assert api_error(UserError("bad input")).status == 400 and "Traceback" not in capsys.readouterr().err
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_other_rows_decode(in_place_family):
+    from staticlm.runtime.sequence_request import Admitted, Delta, Finished, SequenceRequest
+    from staticlm.runtime.text_stream import GenerationParams
+
+    reference, served = _open(in_place_family), _open(in_place_family)
+    tok = reference.tokenizer
+    short = tok.encode("The cat", add_special_tokens=False)
+    long = tok.encode("abcabc abd zz top " * 6, add_special_tokens=False)  # several 16-row chunks
+    assert len(long) > 4 * served.engine.prefill_len
+    params = GenerationParams(max_new_tokens=40, ignore_eos=True)
+    want_short, want_long = reference.generate(short, params).token_ids, reference.generate(long, params).token_ids
+    loop = served.open_loop(eager=True)
+    decoding: list = []
+    admitting: list = []
+    loop.submit(SequenceRequest(prompt_ids=short, params=params, on_event=decoding.append))
+    loop.step()
+    loop.step()
+    loop.submit(SequenceRequest(prompt_ids=long, params=params, on_event=admitting.append))
+    tokens_per_step = []
+    while not any(isinstance(e, Admitted) for e in admitting) or loop.status()["admitting"]:
+        before = sum(len(e.token_ids) for e in decoding if isinstance(e, Delta))
+        loop.step()
+        tokens_per_step.append(sum(len(e.token_ids) for e in decoding if isinstance(e, Delta)) - before)
+    # the long prompt took several steps, and the decoding row gained a token at every one of them
+    assert len(tokens_per_step) >= len(long) // served.engine.prefill_len - 1
+    assert all(n == 1 for n in tokens_per_step), tokens_per_step
+    while loop.step():
+        pass
+    assert list(next(e for e in decoding if isinstance(e, Finished)).token_ids) == want_short
+    assert list(next(e for e in admitting if isinstance(e, Finished)).token_ids) == want_long
+
+
+def test_logprobs_and_grammars_run_on_the_single_path(in_place_family):
+    # a single `generate` is a caller of the same loop as the server: what a request may ask, it may ask here
+    from staticlm.runtime.text_stream import GenerationParams
+
+    model = _open(in_place_family)
+    ids = model.tokenizer.encode("The cat", add_special_tokens=False)
+    allowed_ids = sorted(set(model.tokenizer.encode("abc", add_special_tokens=False)))
+
+    class OnlyAbc:
+        def allowed(self, vocab_size):
+            mask = np.zeros(vocab_size, bool)
+            mask[allowed_ids] = True
+            return mask
+
+        def consume(self, token_id):
+            assert token_id in allowed_ids
+
+    result = model.generate(ids, GenerationParams(max_new_tokens=12, ignore_eos=True), constraint=OnlyAbc)
+    assert len(result.token_ids) == 12 and set(result.token_ids) <= set(allowed_ids)
+    assert set(result.text) <= set("abc")
+    greedy = model.generate(ids, GenerationParams(max_new_tokens=6, ignore_eos=True), num_logprobs=3)
+    assert [lp.token_id for lp in greedy.logprobs] == greedy.token_ids
+    for lp in greedy.logprobs:  # greedy: the chosen token is the likeliest, and logprobs are log-probabilities
+        assert lp.top[0][0] == lp.token_id and lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
