@@ -10,6 +10,7 @@ from staticlm.kv_manager import ContextFull, Overflow
 
 from .chat_template import ChatMessage, Message, render_chat
 from .generator import FinishReason, GenerationParams, GenerationResult, Generator
+from .prompt_room import max_prompt_tokens
 from .tokenizer import Tokenizer
 
 
@@ -139,7 +140,7 @@ class ChatSession:
         if len(ids) > engine.max_context and engine.options.overflow is Overflow.SLIDE:
             # Longer than the whole context: sliding it through would keep only its end, template head lost. Fit
             # it instead, with room for the answer. (A long conversation slides as it grows, and stays cached.)
-            room = engine.max_context - min(params.max_new_tokens, engine.max_context // 4)
+            room = max_prompt_tokens(max_context=engine.max_context, max_new_tokens=params.max_new_tokens)
             ids, self.prompt_tokens_dropped = self.format.fitted_prompt_ids(messages, system_prompt=self.system_prompt,
                                                                             max_tokens=room)
         pieces: list[str] = []

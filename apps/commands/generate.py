@@ -14,6 +14,7 @@ from staticlm.runtime.chat_template import Message
 from staticlm.runtime.generator import FinishReason
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
+from staticlm.runtime.prompt_room import max_prompt_tokens
 
 
 def run_generate(*, prompt: str, options: RunOptions, chat: bool = True, num_responses: int = 1,
@@ -45,7 +46,8 @@ def _generate_one(model: Model, prompt: str, *, chat: bool, as_json: bool) -> tu
     else:
         ids, num_dropped = model.tokenizer.encode(prompt, add_special_tokens=True), 0
         if len(ids) > engine.max_context and model.options.overflow is Overflow.SLIDE:  # keep the end
-            num_dropped = len(ids) - (engine.max_context - min(params.max_new_tokens, engine.max_context // 4))
+            num_dropped = len(ids) - max_prompt_tokens(max_context=engine.max_context,
+                                                       max_new_tokens=params.max_new_tokens)
             ids = ids[num_dropped:]
         stream = model.generator.stream(ids, params, should_stop=flag)
     with sigint_sets(flag):
