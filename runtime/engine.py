@@ -381,8 +381,7 @@ class Engine:
     def can_truncate(self, num_tokens: int) -> bool:
         """Whether truncate(num_tokens) can keep every row the next step reads (local layers keep their newest rows
         only: a rewind past them needs a prefill from the start)."""
-        can = getattr(self.kv, "can_truncate", None)
-        return 0 <= num_tokens <= self.num_cached and (can is None or can(num_tokens))
+        return 0 <= num_tokens <= self.num_cached and self.kv.can_truncate(num_tokens)
 
     def reset(self) -> None:
         self.kv.reset()
