@@ -53,8 +53,9 @@ class BatchGenerator:
         if not (segments or copies):
             raise InvalidOption(f"{engine.model_dir}: its batched graphs read one shared prompt segment, which "
                                 "--on-overflow slide cannot keep; use --on-overflow error, or one response at a time")
-        self.batch = (SegmentEngine(engine, batch=num_rows) if segments
-                      else Engine(engine.model_dir, options=engine.options, batch=num_rows, weights_from=engine))
+        self.batch = (
+            SegmentEngine.beside(engine, batch=num_rows) if segments
+            else Engine(engine.model_dir, options=engine.options, batch=num_rows, weights_from=engine))
         self.speculator = speculator  # a BatchSpeculator, or None
         if speculator is not None and not self.batch.verify_lens:
             raise InvalidOption(f"{engine.model_dir} has no batched verify graphs for {num_rows} rows: " + (

@@ -93,7 +93,7 @@ def _teacher_forced(family: Path, streams: np.ndarray):
     prompt = IDS[:NUM_PROMPT]
     source = _engine(family)
     source.prefill(prompt)
-    seg = SegmentEngine(source, batch=4)
+    seg = SegmentEngine.beside(source, batch=4)
     seg.load_prefix(source)
     alone = [_engine(family) for _ in range(4)]
     for e in alone:
@@ -118,13 +118,13 @@ def test_segmented_steps_match_each_sequence_alone(families, name):
     streams = np.stack([IDS[NUM_PROMPT + 5 * b:NUM_PROMPT + 5 * b + 36] for b in range(4)])
     seg, got, want, rows, ref_rows = _teacher_forced(family, streams)
     assert seg.kv.capacity == 64 and seg.kv.stats.num_allocations == 2  # 16, then 64
-    scale = seg.source.quant.logits.scale
+    scale = seg.family.quant.logits.scale
     assert np.abs(got - want).max() <= 64 * scale, np.abs(got - want).max() / scale
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert rows.shape == ref_rows.shape == (4, 8, 36, 16)
     levels = np.iinfo(np.dtype(seg.kv.spec.dtype)).max
     assert np.abs(rows - ref_rows).mean() <= 0.005 * levels
-    assert seg.source.kv.stats.copied_rows == 0  # the prompt is read where it was prefilled
+    assert seg.segments.prompt.stats.copied_rows == 0  # the prompt is read where it was prefilled
 
 
 def test_greedy_responses_equal_single_runs(families):
@@ -188,7 +188,7 @@ def test_htp_emulator_runs_a_segmented_graph(families, tmp_path):
     for name, device in (("cpu", CPU), ("htp", HTP)):
         source = _engine(directory, device)
         source.prefill(IDS[:NUM_PROMPT])
-        seg = SegmentEngine(source, batch=4)
+        seg = SegmentEngine.beside(source, batch=4)
         seg.load_prefix(source)
         logits = np.stack([seg.decode_batch(streams[:, i], active=np.ones(4, bool)).copy()
                            for i in range(streams.shape[1])])

@@ -110,7 +110,7 @@ def test_segmented_steps_match_single_sequence_runs(families, name):
     prompt = np.random.default_rng(5).integers(0, 256, 11)
     single = _engine(family)
     single.prefill(prompt)
-    seg = SegmentEngine(single, batch=4)
+    seg = SegmentEngine.beside(single, batch=4)
     seg.load_prefix(single)
     history = [list(prompt) for _ in range(4)]
 
