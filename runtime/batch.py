@@ -14,6 +14,7 @@ import numpy as np
 
 from staticlm.errors import InvalidOption
 
+from .batch_engine import BatchEngine
 from .engine import Engine
 from .family.manifest import GraphKind
 from .sampling import sample
@@ -53,7 +54,7 @@ class BatchGenerator:
         if not (segments or copies):
             raise InvalidOption(f"{engine.model_dir}: its batched graphs read one shared prompt segment, which "
                                 "--on-overflow slide cannot keep; use --on-overflow error, or one response at a time")
-        self.batch = (
+        self.batch: BatchEngine = (
             SegmentEngine.beside(engine, batch=num_rows) if segments
             else Engine(engine.model_dir, options=engine.options, batch=num_rows, weights_from=engine))
         self.speculator = speculator  # a BatchSpeculator, or None

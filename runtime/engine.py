@@ -385,5 +385,10 @@ class Engine:
         self.kv.reset()
 
     @property
+    def kv_bytes(self) -> int:
+        """KV bytes the cache reserves (a batched engine: a copy of the prompt in every row)."""
+        return self.kv.stats.reserved_bytes
+
+    @property
     def device_name(self) -> str:
         return self.device.value

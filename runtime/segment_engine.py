@@ -1,7 +1,7 @@
 """Several responses on segmented graphs: the prompt's K/V read in place from the engine that prefilled it.
 
-SegmentEngine offers what BatchGenerator and BatchSpeculator ask of a batched Engine (load_prefix, decode_batch,
-verify, commit, ...), but holds no copy of the prompt: `load_prefix` binds the prompt engine's cached rows as the
+SegmentEngine is a BatchEngine (batch_engine.py) like a batched Engine (load_prefix, decode_batch, verify, commit,
+...), but holds no copy of the prompt: `load_prefix` binds the prompt engine's cached rows as the
 shared prompt segment and starts an empty ResponseCache for the responses' own rows (kv_manager/segments.py).
 The response buffer, read whole by the graphs, grows SEGMENT_STEP rows at a time (a cpu family: the graphs'
 response length climbs a ladder of that step) or from rung to rung of the graphs' static response lengths (an HTP
@@ -36,7 +36,7 @@ def has_segments(engine: Engine, batch: int) -> bool:
 
 
 class SegmentEngine:
-    """`batch` rows decoding on the family's segmented graphs.
+    """A BatchEngine (batch_engine.py) of `batch` rows on the family's segmented graphs.
 
     manifest: the family's; sessions: the ones the prompt's engine opens its graphs with (one weight mapping);
     family: what every runner of the family shares; max_context: the prompt's engine's, prompt rows included.
@@ -94,6 +94,12 @@ class SegmentEngine:
     def reset(self) -> None:
         if self.kv is not None:
             self.kv.reset()
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes the responses hold: the prompt's rows once and the response buffer (0 before load_prefix)."""
+        return self.segments.kv_bytes if self.segments is not None else 0
+
     @property
     def num_cached(self) -> int:
         """Rows cached (the longest sequence's), the prompt included."""
