@@ -142,13 +142,22 @@ class KVCache:
         self._prepared_ar = 0
         self._after_advance(n)
 
+    def can_truncate(self, length: int, seq: int | None = None) -> bool:
+        """Whether truncate(length, seq) keeps every row the next step reads: here, whenever the sequence (every one
+        if seq is None) holds at least `length` rows, since a strategy keeps every row of its window (LayeredKVCache's
+        local layers do not)."""
+        lengths = self.lengths if seq is None else self.lengths[seq:seq + 1]
+        return bool(length >= 0 and (lengths >= length).all())
+
     def truncate(self, length: int, seq: int | None = None) -> None:
-        """Keep the first `length` cached rows of a sequence (all sequences if seq is None)."""
-        for b in range(self.spec.batch) if seq is None else (seq,):
-            current = int(self.lengths[b])
-            if not 0 <= length <= current:
-                raise ValueError(f"cannot truncate sequence {b} from {current} to {length} rows")
-            removed = current - length
+        """Keep the first `length` cached rows of a sequence (all sequences if seq is None); a refusal changes
+        nothing."""
+        seqs = range(self.spec.batch) if seq is None else (seq,)
+        for b in seqs:
+            if not 0 <= length <= int(self.lengths[b]):
+                raise ValueError(f"cannot truncate sequence {b} from {int(self.lengths[b])} to {length} rows")
+        for b in seqs:
+            removed = int(self.lengths[b]) - length
             self.lengths[b] = length
             self.ends[b] -= removed
             self._after_truncate(b, removed)

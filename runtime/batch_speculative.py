@@ -9,16 +9,13 @@ Whether a step pays and how long drafts are: SpeculationPolicy, the same one a s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .batch_engine import BatchEngine
 from .sampling import SamplingParams
 from .speculation_policy import DraftLength, SpeculationPolicy
 from .speculative import Drafter, SpeculationStats, accept_draft
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 def verify_rows(last: np.ndarray, drafts: dict[int, list[int]], *, num_draft: int) -> np.ndarray:
@@ -42,7 +39,7 @@ class BatchSpeculator:
         self.policy = SpeculationPolicy(length=length, probe_every=probe_every)
         self.stats = SpeculationStats()
 
-    def step(self, engine: Engine, last: np.ndarray, *, active: np.ndarray, contexts: list[list[int]],
+    def step(self, engine: BatchEngine, last: np.ndarray, *, active: np.ndarray, contexts: list[list[int]],
              params: Sequence[SamplingParams | None], rngs: Sequence[np.random.Generator | None]
              ) -> list[list[int]] | None:
         """One batched draft-and-verify step; per sequence the new tokens (accepted drafts, then the next

@@ -1,4 +1,4 @@
-"""A conversation over a Generator: each turn prefills only what the cache does not hold yet."""
+"""A conversation over a model's generation loop: each turn prefills only what the cache does not hold yet."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -10,6 +10,7 @@ from staticlm.kv_manager import ContextFull, Overflow
 
 from .chat_template import ChatMessage, Message, render_chat
 from .drive import GenerationResult
+from .prompt_room import max_prompt_tokens
 from .text_stream import FinishReason, GenerationParams
 from .tokenizer import Tokenizer
 
@@ -143,7 +144,7 @@ class ChatSession:
         if len(ids) > engine.max_context and engine.options.overflow is Overflow.SLIDE:
             # Longer than the whole context: sliding it through would keep only its end, template head lost. Fit
             # it instead, with room for the answer. (A long conversation slides as it grows, and stays cached.)
-            room = engine.max_context - min(params.max_new_tokens, engine.max_context // 4)
+            room = max_prompt_tokens(max_context=engine.max_context, max_new_tokens=params.max_new_tokens)
             ids, self.prompt_tokens_dropped = self.format.fitted_prompt_ids(messages, system_prompt=self.system_prompt,
                                                                             max_tokens=room)
         pieces: list[str] = []

@@ -13,7 +13,7 @@ from staticlm.runtime.family.contract import Role, graph_io, in_place_graph_io, 
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, load_manifest
 from staticlm.runtime.family.weights import SharedWeights
 
-from .device import Device, DeviceOptions, PackedSource, create_session, resolve_device
+from .device import Device, DeviceOptions, resolve_device
 from .ladder import ladder_step, rung_past_len
 from .layout import LAYOUTS
 from .memory import check_memory
@@ -22,6 +22,7 @@ from .prepacked import store_dir
 from .rope import RopeTable
 from .runahead import Runahead
 from .runner import FamilyContext, Runner
+from .sessions import GraphSessions
 
 
 @dataclass(frozen=True)
@@ -135,28 +136,34 @@ class Engine:
             check_memory(self.model_dir, weights_bytes=self.manifest.weights_bytes,
                          kv_bytes=self.kv.stats.reserved_bytes)
         rope = RopeTable(cfg)
-        self._family = FamilyContext(config=cfg, rope=rope, quant=self.quant,
-                                     local_rope=RopeTable(cfg, local=True) if cfg.local_layers else None)
+        self.family = FamilyContext(config=cfg, rope=rope, quant=self.quant,
+                                    local_rope=RopeTable(cfg, local=True) if cfg.local_layers else None)
         self._runners: dict[str, Runner] = {}
-        # graph file -> its ORT session, shared with the engines made from this one (batched rows, the draft)
-        self._sessions: dict[Path, object] = weights_from._sessions if weights_from is not None else {}
-        # A `--target cpu` family's sessions map one prepacked copy of its weights (prepacked.py)
-        self._packed_dir = (store_dir(self.model_dir, self.manifest.weights_sha256)
-                            if self.device is Device.CPU and self.manifest.target == "cpu" else None)
+        if weights_from is not None:  # one session per graph file and one weight mapping per process, not per engine
+            self.sessions = weights_from.sessions  # shared with the engines made from this one (batched rows, draft)
+        else:
+            cpu = self.device is Device.CPU
+            self.sessions = GraphSessions(
+                self.model_dir, device=self.device, options=options.device,
+                shared_weights=(SharedWeights(self.model_dir / self.manifest.weights_file)
+                                if cpu and options.share_weights else None),
+                # A `--target cpu` family's sessions map one prepacked copy of its weights (prepacked.py)
+                packed_dir=(store_dir(self.model_dir, self.manifest.weights_sha256)
+                            if cpu and self.manifest.target == "cpu" else None))
         self._ladder_entries: dict[str, GraphEntry] = {}
         # A family whose graphs take any past length (the cpu target) decodes on BMC's ladder, r rows a rung.
         self._ladder_step = (ladder_step(max_context=self.max_context, override=options.bmc_r)
                              if self.manifest.extra.get("dynamic_past") and self.layout.climbs_ladder else None)
         self._token = np.zeros(1, np.int64)
-        if weights_from is not None:
-            self._shared_weights = weights_from._shared_weights  # one mapping per process, not per engine
-        else:
-            self._shared_weights = (SharedWeights(self.model_dir / self.manifest.weights_file)
-                                    if self.device is Device.CPU and options.share_weights else None)
         self.counters = StepCounters()
         if options.run_parts:  # part entries exist per exported graph, not per ladder rung
             self._ladder_step = None
-        self.runahead = Runahead(self, workers=options.prefill_workers) if options.prefill_workers > 1 else None
+        self.runahead = self.parallel_prefill(options.prefill_workers) if options.prefill_workers > 1 else None
+
+    def parallel_prefill(self, workers: int) -> Runahead:
+        """KV-Runahead's workers (runahead.py) on this engine's cache, prompt graphs, sessions and family."""
+        return Runahead(kv=self.kv, prompt_graphs=self._prefill, manifest=self.manifest, sessions=self.sessions,
+                        family=self.family, workers=workers)
 
     # -- graphs -------------------------------------------------------------------------
     def runner(self, entry: GraphEntry) -> Runner:
@@ -167,22 +174,13 @@ class Engine:
 
     def _open_runner(self, entry: GraphEntry) -> Runner:
         if entry.name not in self._runners:
-            # Entries may share a file (a symbolic past length serves every rung): one session per file.
-            path = self.model_dir / entry.file
-            session = self._sessions.get(path) or create_session(
-                path, device=self.device, options=self.options.device,
-                cache_dir=self.model_dir / ".qnn_cache", shared_weights=self._shared_weights,
+            session = self.sessions.shared(
+                entry,
                 # MatMulNBits without its prepacked weights dequantizes every weight on every step
                 prepack=self.layout.prepacks or self._ladder_step is not None
-                or (self.options.prepack and entry.shape.batch * entry.shape.ar > 1),
-                packed=self.packed_source(entry))
-            self._sessions[path] = session
-            self._runners[entry.name] = self.layout.runner(session, entry, family=self._family)
+                or (self.options.prepack and entry.shape.batch * entry.shape.ar > 1))
+            self._runners[entry.name] = self.layout.runner(session, entry, family=self.family)
         return self._runners[entry.name]
-
-    def packed_source(self, entry: GraphEntry) -> PackedSource | None:
-        """Where entry's graph is loaded from with the family's one prepacked weight copy (None: as it is)."""
-        return None if self._packed_dir is None else PackedSource(self._packed_dir, entry.sha256)
 
     def warm_up(self, *, verify: bool = True) -> None:
         """Open and run the first rung's graphs once now, so no answer pays for loading or first-run setup; the
@@ -195,7 +193,7 @@ class Engine:
             self._run(entry, self._token)  # writes only slot rows past the (empty) valid region
             self.kv.advance(0)
         if self.runahead is not None:
-            self.runahead.warm_up()
+            self.runahead.warm_up(token_id=int(self._token[0]))
 
     def load_all(self) -> None:
         for entry in (*self._sink, *self._decode, *self._prefill,
@@ -414,9 +412,8 @@ class Engine:
         self.check_room(1)
         t0 = time.perf_counter()
         rows = np.flatnonzero(active)
-        if previous is not None and self.pairs_rows and all(self.kv.lengths[rows] > 0) and all(
-                self.kv.can_truncate(int(self.kv.lengths[b]) - 1, b) if hasattr(self.kv, "can_truncate") else True
-                for b in rows):
+        if previous is not None and self.pairs_rows and all(
+                self.kv.lengths[b] > 0 and self.kv.can_truncate(int(self.kv.lengths[b]) - 1, b) for b in rows):
             for b in rows.tolist():  # each active row steps back one row, to run it again beside its new token
                 self.kv.truncate(int(self.kv.lengths[b]) - 1, b)
             tokens = np.stack([previous, token_ids], axis=1).astype(np.int64)  # [B, 2]
@@ -437,11 +434,15 @@ class Engine:
     def can_truncate(self, num_tokens: int) -> bool:
         """Whether truncate(num_tokens) can keep every row the next step reads (local layers keep their newest rows
         only: a rewind past them needs a prefill from the start)."""
-        can = getattr(self.kv, "can_truncate", None)
-        return 0 <= num_tokens <= self.num_cached and (can is None or can(num_tokens))
+        return 0 <= num_tokens <= self.num_cached and self.kv.can_truncate(num_tokens)
 
     def reset(self) -> None:
         self.kv.reset()
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes the cache reserves (a batched engine: a copy of the prompt in every row)."""
+        return self.kv.stats.reserved_bytes
 
     @property
     def device_name(self) -> str:

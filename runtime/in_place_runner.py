@@ -6,6 +6,8 @@ that are bound once: the token ids, their positions and the row counts.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import onnxruntime as ort
 
@@ -14,7 +16,7 @@ from staticlm.runtime.family.contract import BUFFER_OUTPUT_ROLES, KV_INPUT_ROLES
 from staticlm.runtime.family.manifest import GraphEntry
 
 from .ort_binding import IOBinding
-from .runner import FamilyContext
+from .runner import FamilyContext, bind_hidden
 
 
 def _by_buffer(specs: tuple[TensorSpec, ...], roles: tuple[Role, Role]) -> list[tuple[str, int]]:
@@ -67,6 +69,10 @@ class InPlaceRunner:
             self.total_length_local = np.zeros((), np.int32)  # []
             self._binding.bind_input(names[Role.SEQLENS_K_LOCAL], self.seqlens_k_local)
             self._binding.bind_input(names[Role.TOTAL_LENGTH_LOCAL], self.total_length_local)
+
+    def bind_hidden(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """A layer-group part's residual stream at its cuts (runner.PartRunner)."""
+        bind_hidden(self._binding, self.entry, arrays)
 
     def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
         if self._local:

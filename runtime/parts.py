@@ -15,7 +15,7 @@ from staticlm.kv_manager import KVCache
 from staticlm.runtime.family.contract import Role
 from staticlm.runtime.family.manifest import GraphEntry, Manifest
 
-from .runner import Runner
+from .runner import PartRunner
 
 PARTS_KEY = "parts"
 
@@ -50,17 +50,12 @@ def hidden_arrays(entries: tuple[GraphEntry, ...], *, leading: tuple[int, ...] =
 class ChainRunner:
     """Runs the parts in order; a Runner like any other."""
 
-    def __init__(self, parts: list[Runner], entries: tuple[GraphEntry, ...]) -> None:
+    def __init__(self, parts: list[PartRunner], entries: tuple[GraphEntry, ...]) -> None:
         self.parts, self.shape = parts, entries[0].shape
         self.input_ids = parts[0].input_ids  # [B, AR]
         self.hidden = hidden_arrays(entries)  # name -> [B, AR, hidden]
-        for part, entry in zip(parts, entries, strict=True):
-            for spec in entry.inputs:
-                if spec.role is Role.HIDDEN:
-                    part._binding.bind_input(spec.name, self.hidden[spec.name])
-            for spec in entry.outputs:
-                if spec.role is Role.HIDDEN:
-                    part._binding.bind_output(spec.name, self.hidden[spec.name])
+        for part in parts:
+            part.bind_hidden(self.hidden)
 
     def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
         for part in self.parts:
@@ -69,7 +64,7 @@ class ChainRunner:
 
 
 def chain_runner(entry: GraphEntry, entries: tuple[GraphEntry, ...],
-                 make_runner: Callable[[GraphEntry], Runner]) -> ChainRunner:
+                 make_runner: Callable[[GraphEntry], PartRunner]) -> ChainRunner:
     """entry's chain; make_runner opens one part (its session and the layout's runner)."""
     if any(e.shape != entry.shape for e in entries):
         raise ValueError(f"parts of {entry.name} differ in shape from it")

@@ -63,7 +63,7 @@ class Rows:
     def open(self) -> Engine | SegmentEngine:
         lane, speculates = self.model.engine, self.model.speculates
         if self.kind == "segments":
-            self._engine = SegmentEngine(lane, batch=self.num_rows)
+            self._engine = SegmentEngine.beside(lane, batch=self.num_rows)
         else:
             self._engine = Engine(lane.model_dir, options=lane.options, batch=self.num_rows, weights_from=lane)
         if speculates and not self._engine.verify_lens:
@@ -78,11 +78,7 @@ class Rows:
 
     @property
     def kv_bytes(self) -> int:
-        if self._engine is None:
-            return 0
-        if isinstance(self._engine, SegmentEngine):
-            return self._engine.segments.kv_bytes if self._engine.segments is not None else 0
-        return self._engine.kv.stats.reserved_bytes
+        return 0 if self._engine is None else self._engine.kv_bytes
 
     @property
     def copied_bytes(self) -> int:

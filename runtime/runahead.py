@@ -13,22 +13,21 @@ buffers (the bench compares both ways of spending the cores: `staticlm bench --o
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from staticlm.errors import UserError
+from staticlm.kv_manager import KVCache
 from staticlm.runtime.family.contract import KVLayout, Role
+from staticlm.runtime.family.manifest import GraphEntry, Manifest
 
-from .device import create_session, physical_cores
+from .device import physical_cores
 from .in_place_runner import InPlaceRunner
 from .partition import PartitionTable, even_sizes, sizes_from_fractions
 from .parts import part_entries
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .runner import FamilyContext
+from .sessions import GraphSessions
 
 
 class RowSync:
@@ -68,24 +67,30 @@ class RowSync:
 
 
 class Runahead:
-    """The engine's parallel prefill: `--prefill-workers N` on an in-place family exported with --parts."""
+    """The engine's parallel prefill: `--prefill-workers N` on an in-place family exported with --parts.
 
-    def __init__(self, engine: Engine, *, workers: int) -> None:
-        if engine.manifest.kv_layout is not KVLayout.IN_PLACE or engine.batch != 1:
+    kv: the one-sequence cache the workers write into; prompt_graphs: the family's prompt-chunk graphs (the last one
+    runs); sessions: where each worker opens its own sessions of the graph's parts; family: what their runners share.
+    """
+
+    def __init__(self, *, kv: KVCache, prompt_graphs: tuple[GraphEntry, ...], manifest: Manifest,
+                 sessions: GraphSessions, family: FamilyContext, workers: int) -> None:
+        model_dir = sessions.model_dir
+        if manifest.kv_layout is not KVLayout.IN_PLACE or kv.spec.batch != 1:
             raise UserError(f"--prefill-workers needs an in-place family (the cpu target's default); "
-                            f"{engine.model_dir} keeps per-head windows")
-        if getattr(engine.config, "local_layers", None):  # their own row counts and windows: not written here
-            raise UserError(f"--prefill-workers does not run models with sliding-window layers ({engine.model_dir})")
-        if not engine._prefill:
-            raise UserError(f"--prefill-workers needs prompt-chunk graphs; {engine.model_dir} has none")
-        self.engine, self.num_workers = engine, workers
-        self.entry = engine._prefill[-1]  # the prompt-chunk graph (in place: one file for every context)
-        self.parts = part_entries(engine.manifest, self.entry, model_dir=engine.model_dir)
-        total = engine.options.device.num_threads or physical_cores()
+                            f"{model_dir} keeps per-head windows")
+        if getattr(family.config, "local_layers", None):  # their own row counts and windows: not written here
+            raise UserError(f"--prefill-workers does not run models with sliding-window layers ({model_dir})")
+        if not prompt_graphs:
+            raise UserError(f"--prefill-workers needs prompt-chunk graphs; {model_dir} has none")
+        self.kv, self.sessions, self.family, self.num_workers = kv, sessions, family, workers
+        self.entry = prompt_graphs[-1]  # the prompt-chunk graph (in place: one file for every context)
+        self.parts = part_entries(manifest, self.entry, model_dir=model_dir)
+        total = sessions.options.num_threads or physical_cores()
         self.threads_per_worker = max(1, total // workers)
         self.table = PartitionTable.load()
         self._runners: list[list[InPlaceRunner]] | None = None  # [worker][group], opened on first use
-        self._logits = np.zeros(engine.config.vocab_size, np.float32)  # [V]
+        self._logits = np.zeros(family.config.vocab_size, np.float32)  # [V]
         self.num_tokens = 0  # prompt tokens the workers prefilled
 
     @property
@@ -94,7 +99,7 @@ class Runahead:
 
     def takes(self, num_tokens: int) -> bool:
         """Long enough for every worker to have a whole chunk, and no slide needed on the way."""
-        kv = self.engine.kv
+        kv = self.kv
         return num_tokens >= self.num_workers * self.ar and int(kv.lengths[0]) + num_tokens <= kv.spec.max_past
 
     def sizes(self, num_tokens: int) -> list[int]:
@@ -104,21 +109,18 @@ class Runahead:
             return even_sizes(num_tokens, self.num_workers, align=self.ar)
         return sizes_from_fractions(num_tokens, fractions, align=self.ar)
 
-    def warm_up(self) -> None:
-        """Open every worker's sessions and run each once on an empty cache, then forget the rows."""
-        if int(self.engine.kv.lengths[0]) == 0:
-            self.prefill(np.zeros(self.num_workers * self.ar, np.int64) + self.engine._token[0])
-            self.engine.kv.truncate(0)
+    def warm_up(self, *, token_id: int = 0) -> None:
+        """Open every worker's sessions and run each once (on token_id) on an empty cache, then forget the rows."""
+        if int(self.kv.lengths[0]) == 0:
+            self.prefill(np.full(self.num_workers * self.ar, token_id, np.int64))
+            self.kv.truncate(0)
             self.num_tokens = 0
 
     def _open(self) -> list[list[InPlaceRunner]]:
+        """Each worker's own sessions (its own intra-op threads), one per part."""
         if self._runners is None:
-            e = self.engine
-            device = dataclasses.replace(e.options.device, num_threads=self.threads_per_worker)
-            self._runners = [[InPlaceRunner(create_session(e.model_dir / p.file, device=e.device, options=device,
-                                                           shared_weights=e._shared_weights, prepack=True,
-                                                           packed=e.packed_source(p)),
-                                            p, family=e._family) for p in self.parts]
+            self._runners = [[InPlaceRunner(self.sessions.new(p, prepack=True, num_threads=self.threads_per_worker),
+                                            p, family=self.family) for p in self.parts]
                              for _ in range(self.num_workers)]
         return self._runners
 
@@ -130,7 +132,7 @@ class Runahead:
         sizes = list(sizes or self.sizes(ids.size))
         if sum(sizes) != ids.size or len(sizes) != self.num_workers or min(sizes) < 1:
             raise ValueError(f"chunk sizes {sizes} do not split {ids.size} tokens over {self.num_workers} workers")
-        kv = self.engine.kv
+        kv = self.kv
         kv.prepare(past_len=kv.spec.max_past, ar=self.ar)  # a pending slide's compaction happens now, not mid-run
         base, position = int(kv.lengths[0]), int(kv.positions[0])
         runners = self._open()
@@ -161,32 +163,29 @@ class Runahead:
         self.num_tokens += ids.size
         return self._logits
 
-    def _hidden_banks(self, num_subs: int) -> dict[str, np.ndarray]:
-        """The residual stream of one worker's sub-chunks at each cut: two banks, since a worker runs group by group
-        and the cut before the previous one is dead by then (cut k uses bank k mod 2). Once per call."""
+    def _hidden_banks(self, num_subs: int) -> list[dict[str, np.ndarray]]:
+        """Per sub-chunk of one worker, the residual stream at each cut (name -> [B, AR, hidden]): two banks, since
+        a worker runs group by group and the cut before the previous one is dead by then (cut k uses bank k mod 2).
+        Once per call."""
         cuts = [[s.name for s in e.outputs if s.role is Role.HIDDEN] for e in self.parts]
         shape = next(s.shape for e in self.parts for s in e.outputs if s.role is Role.HIDDEN)  # [B, AR, hidden]
         banks = np.empty((2, max(map(len, cuts)), num_subs, *shape), np.float32)
-        return {name: banks[k % 2, i] for k, names in enumerate(cuts) for i, name in enumerate(names)}
+        return [{name: banks[k % 2, i, sub] for k, names in enumerate(cuts) for i, name in enumerate(names)}
+                for sub in range(num_subs)]
 
     def _work(self, w: int, ids: np.ndarray, *, start: int, size: int, base: int, position: int, sync: RowSync,
               runners: list[InPlaceRunner]) -> None:
-        kv, ar = self.engine.kv, self.ar
+        kv, ar = self.kv, self.ar
         subs = [(start + k, min(ar, size - k)) for k in range(0, size, ar)]  # (first prompt row, real rows)
-        hidden = self._hidden_banks(len(subs))  # name -> [sub-chunk, B, AR, hidden]
+        hidden = self._hidden_banks(len(subs))  # [sub-chunk] name -> [B, AR, hidden]
         lengths, positions = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        for g, (runner, entry) in enumerate(zip(runners, self.parts, strict=True)):
+        for g, runner in enumerate(runners):
             sync.wait(g, base + start)
             for k, (row, n) in enumerate(subs):
                 if g == 0:
                     runner.input_ids[0, :n] = ids[row:row + n]
                     runner.input_ids[0, n:] = ids[row + n - 1]  # padding repeats the last real token (engine.py)
-                for spec in entry.inputs:
-                    if spec.role is Role.HIDDEN:
-                        runner._binding.bind_input(spec.name, hidden[spec.name][k])
-                for spec in entry.outputs:
-                    if spec.role is Role.HIDDEN:
-                        runner._binding.bind_output(spec.name, hidden[spec.name][k])
+                runner.bind_hidden(hidden[k])
                 lengths[0], positions[0] = base + row, position + row
                 sync.reading(w, g, rows=base + row)
                 logits = runner.run_rows(kv, lengths=lengths, positions=positions, num_real=n)

@@ -1,9 +1,9 @@
 """Several responses on segmented graphs: the prompt's K/V read in place from the engine that prefilled it.
 
-SegmentEngine offers what the loop's rows (rows.py) and BatchSpeculator ask of a batched Engine (load_prefix,
-decode_batch, verify, commit, ...), but holds no copy of the prompt: `load_prefix` binds the prompt engine's cached
-rows as the shared prompt segment and starts an empty ResponseCache for the responses' own rows
-(kv_manager/segments.py).
+SegmentEngine is a BatchEngine (batch_engine.py) like a batched Engine (load_prefix, decode_batch, verify, commit,
+...), run by the loop's rows (rows.py) and BatchSpeculator, but holds no copy of the prompt: `load_prefix` binds the
+prompt engine's cached rows as the shared prompt segment and starts an empty ResponseCache for the responses' own
+rows (kv_manager/segments.py).
 The response buffer, read whole by the graphs, grows SEGMENT_STEP rows at a time (a cpu family: the graphs'
 response length climbs a ladder of that step) or from rung to rung of the graphs' static response lengths (an HTP
 family); segment_layout.py holds the difference.
@@ -17,13 +17,14 @@ import numpy as np
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow
 from staticlm.kv_manager.segments import SEGMENT_STEP, ResponseCache, SegmentKV
 from staticlm.runtime.family.contract import Role
-from staticlm.runtime.family.manifest import GraphEntry, GraphKind
+from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest
 
-from .device import create_session
 from .engine import Engine, StepCounters
 from .ladder import rung_past_len
+from .runner import FamilyContext
 from .segment_layout import segment_layout
 from .segment_runner import SegmentRunner
+from .sessions import GraphSessions
 
 
 def has_segments(engine: Engine, batch: int) -> bool:
@@ -36,31 +37,38 @@ def has_segments(engine: Engine, batch: int) -> bool:
 
 
 class SegmentEngine:
-    def __init__(self, source: Engine, *, batch: int) -> None:
-        self.source = source  # the single-sequence engine whose cache holds the prompt
-        self.model_dir, self.options, self.config = source.model_dir, source.options, source.config
-        self.manifest, self.device = source.manifest, source.device
+    """A BatchEngine (batch_engine.py) of `batch` rows on the family's segmented graphs.
+
+    manifest: the family's; sessions: the ones the prompt's engine opens its graphs with (one weight mapping);
+    family: what every runner of the family shares; max_context: the prompt's engine's, prompt rows included.
+    """
+
+    def __init__(self, *, manifest: Manifest, sessions: GraphSessions, family: FamilyContext, batch: int,
+                 max_context: int) -> None:
+        self.manifest, self.sessions, self.family = manifest, sessions, family
+        self.model_dir, self.config = sessions.model_dir, family.config
         self.layout = segment_layout(self.manifest.graphs_of(GraphKind.SEGMENT, batch=batch), self.config)
         if 1 not in self.layout.ars:
             raise ValueError(f"{self.model_dir} has no segmented decode graph for batch {batch}")
         self.batch = batch
         self.verify_lens = tuple(ar for ar in self.layout.ars if ar > 1)
-        self.max_context = source.max_context
+        self.max_context = max_context
         self.kv: ResponseCache | None = None
         self.segments: SegmentKV | None = None
         self._runners: dict[str, SegmentRunner] = {}
-        self._sessions: dict[str, object] = {}
         self.counters = StepCounters()
+
+    @classmethod
+    def beside(cls, engine: Engine, *, batch: int) -> SegmentEngine:
+        """The segmented graphs of engine's family, on engine's sessions, for prompts engine prefills."""
+        return cls(manifest=engine.manifest, sessions=engine.sessions, family=engine.family, batch=batch,
+                   max_context=engine.max_context)
 
     # -- graphs -------------------------------------------------------------------------
     def runner(self, entry: GraphEntry) -> SegmentRunner:
         if entry.name not in self._runners:
-            session = self._sessions.get(entry.file) or create_session(
-                self.model_dir / entry.file, device=self.device, options=self.options.device,
-                cache_dir=self.model_dir / ".qnn_cache", shared_weights=self.source._shared_weights, prepack=True,
-                packed=self.source.packed_source(entry))
-            self._sessions[entry.file] = session
-            self._runners[entry.name] = SegmentRunner(session, entry, family=self.source._family)
+            session = self.sessions.shared(entry, prepack=True)
+            self._runners[entry.name] = SegmentRunner(session, entry, family=self.family)
         return self._runners[entry.name]
 
     def warm_up(self, *, verify: bool = True) -> None:
@@ -87,6 +95,11 @@ class SegmentEngine:
     def reset(self) -> None:
         if self.kv is not None:
             self.kv.reset()
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes the responses hold: the prompt's rows once and the response buffer (0 before load_prefix)."""
+        return self.segments.kv_bytes if self.segments is not None else 0
 
     @property
     def num_cached(self) -> int:

@@ -6,6 +6,8 @@ in arrays allocated here once and bound once.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import onnxruntime as ort
 
@@ -15,7 +17,7 @@ from staticlm.runtime.family.manifest import GraphEntry
 from staticlm.runtime.family.quant_params import FamilyQuant
 
 from .ort_binding import BindingTable, IOBinding
-from .runner import FamilyContext
+from .runner import FamilyContext, bind_hidden
 
 # which FamilyQuant parameters convert a host input or output the graph takes in an integer type
 QUANT_PARAMS = {Role.ROPE_COS: "rope", Role.ROPE_SIN: "rope", Role.ATTENTION_BIAS: "mask", Role.LOGITS: "logits",
@@ -91,6 +93,10 @@ class WindowRunner:
         self._kv_rows = [None if len(t) == all_tensors else t for t in (inputs_of, outputs_of)]
         self.bound_kv_inputs: np.ndarray | None = None  # [T, B] addresses of the last bind
         self.bound_kv_outputs: np.ndarray | None = None  # [T, B]
+
+    def bind_hidden(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """A layer-group part's residual stream at its cuts (runner.PartRunner)."""
+        bind_hidden(self._binding, self.entry, arrays)
 
     def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
         """num_real is not needed: padding rows attend causally like real ones and only their logits differ."""

@@ -337,3 +337,83 @@ def test_kv_manager_does_not_import_onnxruntime():
 
     code = "import sys, staticlm.kv_manager; sys.exit('onnxruntime' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(kind=st.sampled_from([*Strategy, "response"]), layered=st.booleans(), window=st.integers(2, 5),
+       batch=st.integers(1, 3), ops=st.lists(st.tuples(st.sampled_from(["step", "step", "truncate"]),
+                                                     st.integers(0, 10_000)), min_size=1, max_size=40),
+       seed=st.integers(0, 2**16))
+def test_truncate_keeps_the_first_rows_whenever_can_truncate_says_so(kind, layered, window, batch, ops, seed):
+    """Every cache class answers can_truncate(n); where it says yes, truncate(n) leaves exactly the reference's first
+    n rows (a local layer of a LayeredKVCache: the newest of them, at least its window's); where it says no, truncate
+    refuses and changes nothing. A plain cache says yes exactly when every sequence asked about holds n rows."""
+    from staticlm.kv_manager import LayeredKVCache
+    from staticlm.kv_manager.segments import ResponseCache
+
+    rng = np.random.default_rng(seed)
+    layered = layered and kind != "response"
+    spec = _spec(num_tensors=4, max_past=14, max_ar=3, batch=batch)
+    local = [layered and t < 2 for t in range(spec.num_tensors)]  # layer 0 local (K, V), layer 1 global
+    if kind == "response":
+        cache = ResponseCache(spec, step=4)
+    else:
+        cache = make_kv_cache(spec, kind, bmc_r=3, local=local if layered else (), window=window)
+    assert isinstance(cache, LayeredKVCache) == layered
+    ref: list[list[np.ndarray]] = [[] for _ in range(batch)]  # per sequence, every committed row [T, D]
+
+    def check() -> None:
+        for b in range(batch):
+            assert int(cache.lengths[b]) == len(ref[b])
+            for t in range(spec.num_tensors):
+                want = np.array([row[t] for row in ref[b]]).reshape(-1, spec.head_dim)  # [n, D]
+                valid = cache.valid_rows(t, b)
+                if local[t]:  # the newest rows only, at least the W-1 a window reads
+                    assert min(len(want), window - 1) <= len(valid) <= len(want)
+                    want = want[len(want) - len(valid):]
+                np.testing.assert_array_equal(valid, want)
+
+    for op, x in ops:
+        if op == "step":
+            ar = 1 + x % spec.max_ar
+            if max(map(len, ref)) + ar > spec.max_past:
+                continue  # the error policy would refuse it: the reference keeps every row
+            cache.prepare(past_len=spec.max_past, ar=ar)
+            commits = rng.integers(0, ar + 1, batch)
+            new = rng.standard_normal((batch, spec.num_tensors, ar, spec.head_dim)).astype(np.float32)
+            for b in range(batch):
+                for t in range(spec.num_tensors):
+                    cache.slot(t, b, ar)[0, 0] = new[b, t]  # what the graph's output binding does
+                ref[b] += [new[b, :, i] for i in range(commits[b])]
+            cache.advance(commits)
+        else:
+            seq = None if x % 3 == 0 else (x // 3) % batch
+            seqs = range(batch) if seq is None else (seq,)
+            n = (x // 7) % (max(map(len, ref)) + 3) - 1  # -1 .. longest + 1
+            can = cache.can_truncate(n, seq)
+            fits = n >= 0 and all(n <= len(ref[b]) for b in seqs)
+            assert can == fits if not layered else (fits or not can)
+            for b in range(batch):  # keeping every row is always possible
+                assert cache.can_truncate(len(ref[b]), b)
+            if can:
+                cache.truncate(n, seq)
+                for b in seqs:
+                    del ref[b][n:]
+            else:
+                with pytest.raises(ValueError):
+                    cache.truncate(n, seq)
+        check()
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_a_refused_truncate_of_every_sequence_changes_none(strategy, rng):
+    spec = _spec(batch=2, max_ar=4)
+    cache, ref = make_kv_cache(spec, strategy, bmc_r=3), NaiveKV(2)
+    _step(cache, ref, past_len=spec.max_past, ar=4, commits=[4, 1], rng=rng)
+    assert cache.can_truncate(3, 0) and not cache.can_truncate(3)
+    with pytest.raises(ValueError, match="sequence 1 from 1 to 3"):
+        cache.truncate(3)
+    assert cache.lengths.tolist() == [4, 1]
+    for b in range(2):
+        for t in range(spec.num_tensors):
+            np.testing.assert_array_equal(cache.valid_rows(t, b), np.array([row[t] for row in ref.rows[b]]))

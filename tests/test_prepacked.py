@@ -57,8 +57,8 @@ def test_one_session_serves_every_in_place_shape(families):
     batch = Engine(families["gqa"], options=CPU, batch=2, weights_from=engine)
     batch.load_prefix(engine)
     batch.decode_batch(np.array([5, 6]), active=np.ones(2, bool))
-    assert set(engine._sessions) == {families["gqa"] / "in_place.onnx"}
-    assert batch._sessions is engine._sessions
+    assert engine.sessions.files == {families["gqa"] / "in_place.onnx"}
+    assert batch.sessions is engine.sessions
 
 
 def test_sessions_read_the_packed_file_and_graphs_share_its_blobs(families):

@@ -74,7 +74,7 @@ def _assert_chain_matches_whole(family, *, num_tokens: int = 12) -> None:
                                whole.kv.valid_block(0).astype(np.float32), atol=1e-5)
     ran = [r for r in chain._runners.values() if isinstance(r, ChainRunner)]
     assert ran and all(len(r.parts) == 2 for r in ran)  # the chain ran, not the whole graphs
-    assert all(".part" in f.name for f in chain._sessions)
+    assert all(".part" in f.name for f in chain.sessions.files)
 
 
 @pytest.mark.parametrize("name", ["cpu", "float"])

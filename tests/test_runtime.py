@@ -197,7 +197,7 @@ def test_verify_graphs_open_only_when_speculation_will_run(tiny_family):
         verify_files = {engine.model_dir / g.file for ladder in engine._verify.values() for g in ladder}
         verify_files -= {engine.model_dir / g.file for g in (engine._decode[0], *engine._prefill[:1])}  # open anyway
         assert verify_files  # the tiny family has verify-only graphs
-        return verify_files & set(engine._sessions)
+        return verify_files & engine.sessions.files
 
     assert opened_verify_files(RunOptions()) == set()
     assert opened_verify_files(RunOptions(speculate="lookup"))

@@ -93,7 +93,7 @@ def _teacher_forced(family: Path, streams: np.ndarray):
     prompt = IDS[:NUM_PROMPT]
     source = _engine(family)
     source.prefill(prompt)
-    seg = SegmentEngine(source, batch=4)
+    seg = SegmentEngine.beside(source, batch=4)
     seg.load_prefix(source)
     alone = [_engine(family) for _ in range(4)]
     for e in alone:
@@ -118,33 +118,36 @@ def test_segmented_steps_match_each_sequence_alone(families, name):
     streams = np.stack([IDS[NUM_PROMPT + 5 * b:NUM_PROMPT + 5 * b + 36] for b in range(4)])
     seg, got, want, rows, ref_rows = _teacher_forced(family, streams)
     assert seg.kv.capacity == 64 and seg.kv.stats.num_allocations == 2  # 16, then 64
-    scale = seg.source.quant.logits.scale
+    scale = seg.family.quant.logits.scale
     assert np.abs(got - want).max() <= 64 * scale, np.abs(got - want).max() / scale
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert rows.shape == ref_rows.shape == (4, 8, 36, 16)
     levels = np.iinfo(np.dtype(seg.kv.spec.dtype)).max
     assert np.abs(rows - ref_rows).mean() <= 0.005 * levels
-    assert seg.source.kv.stats.copied_rows == 0  # the prompt is read where it was prefilled
+    assert seg.segments.prompt.stats.copied_rows == 0  # the prompt is read where it was prefilled
 
 
 def test_greedy_responses_equal_single_runs(families):
     # --num-responses 4 with shared prompt KV on the HTP family: every response is the single run's.
     from test_segment_kv import _batch_generate, _single_tokens, _varied_greedy
 
-    from staticlm.runtime.generator import GenerationParams
+    from staticlm.runtime.text_stream import GenerationParams
     from staticlm.runtime.segment_engine import SegmentEngine
 
     family = families["kv16"]
     ids = list(IDS[:9])
     params = GenerationParams(max_new_tokens=40, ignore_eos=True, sampling=_varied_greedy())
     gen, responses = _batch_generate(family, ids, params, segments=True)
-    assert isinstance(gen.batch, SegmentEngine) and gen.batch.kv.capacity == 64
+    assert isinstance(gen.engine, SegmentEngine) and gen.engine.kv.capacity == 64
     want = _single_tokens(family, ids, params)
     assert len(set(want)) > 10
     assert [r.token_ids for r in responses] == [want] * 4
     # without --shared-prompt-kv too: the HTP family's batched graphs are all segmented
-    gen, _ = _batch_generate(family, ids, params, segments=False, num_responses=1)
-    assert isinstance(gen.batch, SegmentEngine)
+    from conftest import model_of
+
+    model = model_of(_engine(family))
+    assert [r.token_ids for r in model.generate_many(ids, params, num_responses=2)] == [want] * 2
+    assert isinstance(model.loop.rows.engine, SegmentEngine)
 
 
 def test_response_cache_takes_only_the_graphs_rungs():
@@ -188,7 +191,7 @@ def test_htp_emulator_runs_a_segmented_graph(families, tmp_path):
     for name, device in (("cpu", CPU), ("htp", HTP)):
         source = _engine(directory, device)
         source.prefill(IDS[:NUM_PROMPT])
-        seg = SegmentEngine(source, batch=4)
+        seg = SegmentEngine.beside(source, batch=4)
         seg.load_prefix(source)
         logits = np.stack([seg.decode_batch(streams[:, i], active=np.ones(4, bool)).copy()
                            for i in range(streams.shape[1])])
@@ -266,7 +269,7 @@ def test_bass_runs_on_the_segmented_verify_graphs(families):
     # to 3 tokens) accept drafts, and every response is still the plain greedy single run's.
     from test_segment_kv import _batch_generate, _single_tokens
 
-    from staticlm.runtime.generator import GenerationParams
+    from staticlm.runtime.text_stream import GenerationParams
     from staticlm.runtime.model import open_tokenizer
 
     family = families["kv16"]

@@ -110,7 +110,7 @@ def test_segmented_steps_match_single_sequence_runs(families, name):
     prompt = np.random.default_rng(5).integers(0, 256, 11)
     single = _engine(family)
     single.prefill(prompt)
-    seg = SegmentEngine(single, batch=4)
+    seg = SegmentEngine.beside(single, batch=4)
     seg.load_prefix(single)
     history = [list(prompt) for _ in range(4)]
 
@@ -137,6 +137,59 @@ def test_segmented_steps_match_single_sequence_runs(families, name):
     check(seg.decode_batch(nxt, active=np.ones(4, bool))[:, None], [[int(t)] for t in nxt])
     assert seg.kv.stats.copied_rows == 4 * 16  # the responses' rows, copied once when they passed 16 rows
     assert single.kv.stats.copied_rows == 0  # and never the prompt
+
+
+def _through_the_protocol(engine, source, streams: np.ndarray) -> list[np.ndarray]:
+    """Decode steps (the last with a row idle), a verify, ragged commits and a decode after them, using only what
+    BatchEngine names; every step's logits [B, n, V]."""
+    out = []
+    engine.warm_up(verify=True)
+    engine.load_prefix(source)
+    for step in range(streams.shape[1]):
+        active = np.array([True, True, True, step < streams.shape[1] - 1])
+        out.append(engine.decode_batch(streams[:, step], active=active)[:, None].copy())
+    assert engine.verify_len(4) == 4 and engine.verify_len(5) is None
+    out.append(engine.verify(np.arange(16).reshape(4, 4) + 7).copy())
+    engine.commit(np.array([1, 4, 0, 2]))
+    out.append(engine.decode_batch(np.array([3, 4, 5, 6]), active=np.ones(4, bool))[:, None].copy())
+    assert engine.verify_cost_ratio(4) > 0 and engine.counters.num_decode_steps == streams.shape[1] + 1
+    return out
+
+
+def test_both_batched_engines_are_batch_engines_that_answer_alike(families):
+    # The batched Engine (a copy of the prompt per row) and SegmentEngine (the prompt read in place) driven through
+    # BatchEngine alone give the same logits, and the last step's equal each sequence's tokens scored alone.
+    from staticlm.runtime.batch_engine import BatchEngine
+    from staticlm.runtime.engine import Engine
+    from staticlm.runtime.segment_engine import SegmentEngine
+
+    family = families["gqa"]
+    prompt = np.random.default_rng(10).integers(0, 256, 11)
+    single = _engine(family)
+    single.prefill(prompt)
+    copied = Engine(family, options=single.options, batch=4, weights_from=single)
+    segmented = SegmentEngine.beside(single, batch=4)
+    assert isinstance(copied, BatchEngine) and isinstance(segmented, BatchEngine)
+    assert not isinstance(single.kv, BatchEngine)  # the check tells things apart
+    assert copied.max_context == segmented.max_context == single.max_context
+    streams = np.random.default_rng(11).integers(0, 256, (4, 3))
+    runs = {name: _through_the_protocol(e, single, streams) for name, e in (("copied", copied),
+                                                                           ("segmented", segmented))}
+    for got, want in zip(runs["segmented"], runs["copied"], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-3 * np.abs(want).max())
+    history = [list(prompt) + list(streams[b, :3 if b < 3 else 2]) + list(range(7 + 4 * b, 7 + 4 * b + n))
+               for b, n in enumerate([1, 4, 0, 2])]
+    for b, token in enumerate([3, 4, 5, 6]):
+        want = _engine(family).score(np.array(history[b] + [token]))[-1]
+        np.testing.assert_allclose(runs["segmented"][-1][b, 0], want, atol=1e-3 * np.abs(want).max())
+    # the prompt once and the responses' buffer, against a whole cache per row
+    assert 0 < segmented.kv_bytes < copied.kv_bytes == copied.kv.stats.reserved_bytes
+    first = runs["copied"][0]
+    for engine in (copied, segmented):  # reset, then the same prompt again: the same first step
+        engine.reset()
+        engine.load_prefix(single)
+        np.testing.assert_allclose(engine.decode_batch(streams[:, 0], active=np.ones(4, bool))[:, None], first,
+                                   atol=1e-3 * np.abs(first).max())
 
 
 def _varied_greedy():

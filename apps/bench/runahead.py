@@ -31,7 +31,7 @@ from staticlm.runtime.partition import (
     modeled_ttft,
 )
 from staticlm.runtime.parts import part_layers
-from staticlm.runtime.runahead import RowSync, Runahead
+from staticlm.runtime.runahead import RowSync
 
 from .base import BenchContext, Row
 
@@ -109,7 +109,7 @@ def bench_runahead(ctx: BenchContext) -> list[Row]:
     whole = Engine(family, options=EngineOptions(device=cpu))  # 1 worker x `threads` threads
     parallel = Engine(family, options=EngineOptions(device=cpu, prefill_workers=2))  # 2 workers x threads/2
     single = Engine(family, options=EngineOptions(device=dataclasses.replace(cpu, num_threads=1)))
-    timing = Runahead(single, workers=1)  # 1 worker x 1 thread, through the parts: the per-chunk costs
+    timing = single.parallel_prefill(1)  # 1 worker x 1 thread, through the parts: the per-chunk costs
     ra, ar, num_groups = parallel.runahead, parallel.runahead.ar, len(parallel.runahead.parts)
     vocab = whole.config.vocab_size
     text = np.asarray(ctx.text_ids * (max(lengths) // max(1, len(ctx.text_ids)) + 1), np.int64) % vocab

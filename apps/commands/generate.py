@@ -13,6 +13,7 @@ from staticlm.kv_manager import Overflow
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
+from staticlm.runtime.prompt_room import max_prompt_tokens
 from staticlm.runtime.text_stream import FinishReason
 
 
@@ -45,7 +46,8 @@ def _generate_one(model: Model, prompt: str, *, chat: bool, as_json: bool) -> tu
     else:
         ids, num_dropped = model.tokenizer.encode(prompt, add_special_tokens=True), 0
         if len(ids) > engine.max_context and model.options.overflow is Overflow.SLIDE:  # keep the end
-            num_dropped = len(ids) - (engine.max_context - min(params.max_new_tokens, engine.max_context // 4))
+            num_dropped = len(ids) - max_prompt_tokens(max_context=engine.max_context,
+                                                       max_new_tokens=params.max_new_tokens)
             ids = ids[num_dropped:]
         stream = model.stream(ids, params, should_stop=flag)
     with sigint_sets(flag):

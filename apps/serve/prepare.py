@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from staticlm.kv_manager import ContextFull, Overflow
+from staticlm.runtime.prompt_room import max_prompt_tokens
 from staticlm.runtime.sampling import SamplingParams
 from staticlm.runtime.text_stream import GenerationParams
 
@@ -153,7 +154,7 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
     if len(ids) >= state.max_context:
         if state.options.overflow is not Overflow.SLIDE:
             raise _too_long(state, len(ids))
-        room = state.max_context - min(limit, state.max_context // 4)
+        room = max_prompt_tokens(max_context=state.max_context, max_new_tokens=limit)
         ids, _ = fmt.fitted_prompt_ids(messages, max_tokens=room, **kwargs)
     constraint, names = None, None
     if rendered:
@@ -204,7 +205,7 @@ def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
     if len(ids) >= state.max_context:
         if state.options.overflow is not Overflow.SLIDE:
             raise _too_long(state, len(ids))
-        ids = ids[len(ids) - (state.max_context - min(limit, state.max_context // 4)):]  # keep the end
+        ids = ids[len(ids) - max_prompt_tokens(max_context=state.max_context, max_new_tokens=limit):]  # keep the end
     return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids)),
                                                    num_prompt_tokens=len(ids)),
                     num_choices=req.n, num_logprobs=req.logprobs, constraint=None, tool_names=None,
