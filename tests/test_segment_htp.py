@@ -131,8 +131,8 @@ def test_greedy_responses_equal_single_runs(families):
     # --num-responses 4 with shared prompt KV on the HTP family: every response is the single run's.
     from test_segment_kv import _batch_generate, _single_tokens, _varied_greedy
 
-    from staticlm.runtime.text_stream import GenerationParams
     from staticlm.runtime.segment_engine import SegmentEngine
+    from staticlm.runtime.text_stream import GenerationParams
 
     family = families["kv16"]
     ids = list(IDS[:9])
@@ -269,8 +269,8 @@ def test_bass_runs_on_the_segmented_verify_graphs(families):
     # to 3 tokens) accept drafts, and every response is still the plain greedy single run's.
     from test_segment_kv import _batch_generate, _single_tokens
 
-    from staticlm.runtime.text_stream import GenerationParams
     from staticlm.runtime.model import open_tokenizer
+    from staticlm.runtime.text_stream import GenerationParams
 
     family = families["kv16"]
     assert {g.shape.ar for g in load_manifest(family).graphs_of(GraphKind.SEGMENT, batch=4)} == {1, 4}
