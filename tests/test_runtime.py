@@ -21,6 +21,17 @@ CPU = DeviceOptions(device=Device.CPU, num_threads=2)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 WINDOW_STRATEGIES = [s for s in Strategy if s is not Strategy.IN_PLACE]  # in_place needs GQA graphs (test_cpu_target)
 STRATEGY_CASES = [(s, 2.0) for s in WINDOW_STRATEGIES] + [(Strategy.POINTER, 1.5), (Strategy.SHIFT, 1.5)]
+# SmolLM2 runs each strategy once (pointer at 2.0 is the default every other SmolLM2 test runs), and pointer at 1.5,
+# where the answer fills the buffer and compacts; the tiny model runs every case.
+SMOLLM2_STRATEGY_CASES = [(s, 2.0) for s in WINDOW_STRATEGIES if s is not Strategy.POINTER] + [(Strategy.POINTER, 1.5)]
+_HF_ANSWERS: dict[tuple, list[int]] = {}  # transformers' greedy answers, computed once per prompt
+
+
+def hf_answer(model, ids: list[int], num_new: int) -> list[int]:
+    key = (id(model), tuple(ids), num_new)
+    if key not in _HF_ANSWERS:
+        _HF_ANSWERS[key] = hf_greedy(model, ids, num_new, eos=None)
+    return _HF_ANSWERS[key]
 
 
 def open_chat(engine):
@@ -119,17 +130,17 @@ def test_auto_device_picks_htp_only_for_a_family_htp_runs(tiny_family, monkeypat
 def test_smollm2_greedy_chat_matches_transformers(smollm2_family, smollm2_hf_model):
     for prompt in PROMPTS:
         ids = chat_ids(smollm2_family, prompt)
-        want = hf_greedy(smollm2_hf_model, ids, 64, eos=None)
+        want = hf_answer(smollm2_hf_model, ids, 64)
         got, engine = greedy(smollm2_family, ids, 64)
         assert got == want, prompt
         assert engine.kv.stats.copied_bytes == 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,reserve", STRATEGY_CASES)
+@pytest.mark.parametrize("strategy,reserve", SMOLLM2_STRATEGY_CASES)
 def test_smollm2_identical_across_kv_strategies(smollm2_small_family, smollm2_hf_model, strategy, reserve):
     ids = chat_ids(smollm2_small_family, PROMPTS[0])
-    want = hf_greedy(smollm2_hf_model, ids, 64, eos=None)
+    want = hf_answer(smollm2_hf_model, ids, 64)
     got, engine = greedy(smollm2_small_family, ids, 64, strategy=strategy, reserve=reserve)
     assert got == want
     if strategy is Strategy.POINTER and reserve == 1.5:
