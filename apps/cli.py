@@ -16,7 +16,7 @@ from staticlm.apps.bench.command import run_bench_command
 from staticlm.apps.commands.chat import run_chat
 from staticlm.apps.commands.compile import run_compile
 from staticlm.apps.commands.eval import run_eval
-from staticlm.apps.commands.export import parse_bytes, run_export_command
+from staticlm.apps.commands.export import add_export_options, run_export_command
 from staticlm.apps.commands.generate import Interrupted, run_generate
 from staticlm.apps.gui.app import launch
 from staticlm.apps.serve.command import run_serve
@@ -59,57 +59,7 @@ def typed_run_options(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="staticlm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="export a model to a static-shape ONNX graph family")
-    e.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file, a HF checkpoint dir or hub id")
-    e.add_argument("--context", default=None, help="context sizes, e.g. 256,512,1024,2048")
-    e.add_argument("--prefill-len", type=int, default=None, help="AR of the prefill graph (default 64)")
-    e.add_argument("--draft-layers", type=int, default=None,
-                   help="export only the first K layers: a draft model for --speculate draft:DIR")
-    e.add_argument("--batch-sizes", default=None,
-                   help="batched decode graphs for --num-responses (default 4; 'none' for none)")
-    e.add_argument("--verify-lens", default=None,
-                   help="extra AR=N graphs for speculative verification (default 4,8,16; 'none' for none)")
-    e.add_argument("--out", type=Path, default=None, help="output directory")
-    e.add_argument("--target", default=None, help="htp: quantized QDQ family for the Qualcomm NPU; cpu: MatMulNBits "
-                   "4/8-bit weights for the CPU EP (default: float)")
-    e.add_argument("--weight-bits", type=int, default=None, help="with --target cpu: 4 (default) or 8")
-    e.add_argument("--cpu-attention", default=None,
-                   help="with --target cpu: gqa (default: GroupQueryAttention, KV appended in place) or windows "
-                        "(per-head past windows, for the kv_manager strategies and the BMC ladder)")
-    e.add_argument("--kv-dtype", default=None,
-                   help="with --target cpu: the KV cache's element type, float16 or float32 (default: float16 "
-                        "where the CPU computes in half precision, else float32)")
-    e.add_argument("--grid-minima", default=None,
-                   help="with --target cpu, a GGUF grid with block minima (Q4_1, Q4_K, Q5_1, Q5_K): exact (default: "
-                        "every weight gguf's own, an offset MatMul per linear) or folded (integer zero points and "
-                        "the remainder in correction rows: weights within a few hundredths of a step, faster "
-                        "decode; the default model's first-run export uses it)")
-    e.add_argument("--quant", default=None, help="with --target htp: w8a16 (default), w4a16, or kv (KV only)")
-    e.add_argument("--kv-bits", type=int, default=None, help="with --target htp: KV I/O bits, 16 (default) or 8")
-    e.add_argument("--calib-steps", type=int, default=None,
-                   help="with --target htp or --calib: recorded steps to calibrate on")
-    e.add_argument("--calib", action="store_true", default=None,
-                   help="with --target cpu --weight-bits 4: round float weights by GPTQ on recorded calibration traces")
-    e.add_argument("--rounding", default=None,
-                   help="4-bit float weights with --calib or --quant w4a16: act-order (default: GPTQ, loudest input "
-                        "first), sequential (each layer fit to the rounded layers' outputs), gptq, nearest, or rtn "
-                        "(no calibration: each block's range)")
-    e.add_argument("--bits-budget", default=None,
-                   help="4-bit float weights with --calib or --quant w4a16: the projections whose rounding costs most "
-                        "on the calibration rows get 8-bit blocks, at most this many level bits per weight on "
-                        "average (default 4.5); none: all 4-bit")
-    e.add_argument("--grid", default=None,
-                   help="4-bit float weights with --calib or --quant w4a16: offsets (default: a float minimum per "
-                        "block, as GGUF Q4_1), zero-points (--target cpu: MatMulNBits' own) or symmetric")
-    e.add_argument("--parts", default=None,
-                   help="also write every graph as N layer-group graphs: --prefill-workers (KV-Runahead) and --parts "
-                        "runs need them, and so does a model larger than one HTP context; auto (--target htp): "
-                        "as few as keep each part's weights within one context of --soc-model")
-    e.add_argument("--soc-model", default=None,
-                   help="with --parts auto: the QNN SoC model whose context limit the parts fit (default 57)")
-    e.add_argument("--max-context-bytes", type=parse_bytes, default=None,
-                   help="with --parts auto: the weight bytes one context holds, instead of the SoC's (e.g. 1900M)")
-    e.add_argument("--quiet", action="store_true")
+    add_export_options(sub.add_parser("export", help="export a model to a static-shape ONNX graph family"))
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", dest="chat", action="store_true", default=True,

@@ -14,8 +14,8 @@ from pathlib import Path
 import onnx
 
 from staticlm.errors import UserError
+from staticlm.export.graph.htp_style import HTPLlamaGraph, write_htp_weights
 from staticlm.export.graph.llama import LlamaGraph, write_weights
-from staticlm.export.htp.graph import HTPLlamaGraph, write_htp_weights
 from staticlm.export.sources import LoadedModel
 from staticlm.runtime.family.contract import GraphShape, graph_io
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, SpecialTokens, file_sha256
@@ -40,7 +40,7 @@ class ExportOptions:
     prefill_len: int = DEFAULT_PREFILL_LEN
     verify_lens: tuple[int, ...] = DEFAULT_VERIFY_LENS  # extra AR=N graphs sized for speculative verification
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES  # batched decode graphs, for several responses at once
-    htp_style: bool = False  # per-head K/V projections for quantized HTP graphs (see export/htp/graph.py)
+    htp_style: bool = False  # per-head K/V projections for quantized HTP graphs (see export/graph/htp_style.py)
 
     def validate(self, max_positions: int) -> None:
         if not self.contexts:

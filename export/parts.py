@@ -19,9 +19,15 @@ from onnx import helper
 
 from staticlm.errors import UserError
 from staticlm.runtime.family.contract import Role, TensorSpec
-from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256, load_manifest
+from staticlm.runtime.family.manifest import (
+    GraphEntry,
+    GraphKind,
+    LayerParts,
+    Manifest,
+    file_sha256,
+    load_manifest,
+)
 from staticlm.runtime.family.weights import external_bytes
-from staticlm.runtime.parts import PARTS_KEY
 
 BOUNDARY_SUFFIXES = ("_out_normed", "_out_residual")  # in the order a part binds them
 # what a chain runs: generation, prompt chunks and verification (not the batched segment graphs)
@@ -167,7 +173,7 @@ def auto_groups(family_dir: str | Path, *, max_bytes: int) -> list[tuple[int, in
 def add_parts(family_dir: str | Path, num_parts: int | None = None, *,
               groups: list[tuple[int, int]] | None = None) -> Manifest:
     """Cut every graph of the family in family_dir into num_parts layer groups (or the given groups), written beside
-    it, and record them in its manifest (extra["parts"]: the layer groups and each graph's part entries)."""
+    it, and record them in its manifest (`parts`: the layer groups and each graph's part entries)."""
     family_dir = Path(family_dir)
     manifest = load_manifest(family_dir)
     groups = groups or layer_groups(manifest.model.num_layers, num_parts)
@@ -175,7 +181,7 @@ def add_parts(family_dir: str | Path, num_parts: int | None = None, *,
     for entry in manifest.graphs:
         if entry.kind in PART_KINDS:
             by_file.setdefault(entry.file, []).append(entry)
-    part_entries: dict[str, list[dict]] = {}
+    part_entries: dict[str, tuple[GraphEntry, ...]] = {}
     for file, entries in by_file.items():
         model = onnx.load(family_dir / file, load_external_data=False)
         first = entries[0]
@@ -190,13 +196,12 @@ def add_parts(family_dir: str | Path, num_parts: int | None = None, *,
             onnx.save_model(part, family_dir / part_file)
             files.append((part_file, file_sha256(family_dir / part_file), part))
         for entry in entries:
-            part_entries[entry.name] = []
+            chain = []
             for k, (part_file, sha, part) in enumerate(files):
                 inputs, outputs = _part_specs(part, entry, hidden_size=manifest.model.hidden_size)
-                part_entries[entry.name].append(GraphEntry(
-                    name=f"{entry.name}.part{k}", file=part_file, kind=entry.kind, shape=entry.shape, inputs=inputs,
-                    outputs=outputs, sha256=sha).to_dict())
-    manifest = dataclasses.replace(manifest, extra={
-        **manifest.extra, PARTS_KEY: {"layers": [list(g) for g in groups], "graphs": part_entries}})
+                chain.append(GraphEntry(name=f"{entry.name}.part{k}", file=part_file, kind=entry.kind,
+                                        shape=entry.shape, inputs=inputs, outputs=outputs, sha256=sha))
+            part_entries[entry.name] = tuple(chain)
+    manifest = dataclasses.replace(manifest, parts=LayerParts(layers=tuple(groups), graphs=part_entries))
     manifest.save(family_dir)
     return manifest

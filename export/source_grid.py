@@ -1,5 +1,5 @@
 """The block sums of a source grid's offsets: x W = x Wl + (x E) C, with E the 0/1 block indicator (both targets
-carry a grid's per-block offsets C this way: export/htp/grids.py, export/cpu/linears.py)."""
+carry a grid's per-block offsets C this way: export/graph/htp_grids.py, export/cpu/linears.py)."""
 from __future__ import annotations
 
 import numpy as np

@@ -17,7 +17,6 @@ from staticlm.errors import UserError
 
 from . import qnn_context
 from .family.manifest import Manifest, read_manifest
-from .parts import PARTS_KEY
 from .prepacked import prepared_graph
 
 QNN_EP = "QNNExecutionProvider"
@@ -154,12 +153,12 @@ def context_groups(model_dir: Path) -> tuple[tuple[Path, ...], ...]:
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
     groups = []
-    if manifest.weights_bytes <= MAX_CONTEXT_WEIGHT_BYTES or not manifest.extra.get(PARTS_KEY):
+    if manifest.weights_bytes <= MAX_CONTEXT_WEIGHT_BYTES or manifest.parts is None:
         groups.append(tuple(sorted({model_dir / g.file for g in manifest.graphs})))
     by_part: dict[int, set[Path]] = {}
-    for chain in manifest.extra.get(PARTS_KEY, {}).get("graphs", {}).values():
+    for chain in manifest.parts.graphs.values() if manifest.parts else ():
         for k, part in enumerate(chain):
-            by_part.setdefault(k, set()).add(model_dir / part["file"])
+            by_part.setdefault(k, set()).add(model_dir / part.file)
     groups += [tuple(sorted(by_part[k])) for k in sorted(by_part)]
     return tuple(groups)
 

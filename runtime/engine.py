@@ -153,7 +153,7 @@ class Engine:
         self._ladder_entries: dict[str, GraphEntry] = {}
         # A family whose graphs take any past length (the cpu target) decodes on BMC's ladder, r rows a rung.
         self._ladder_step = (ladder_step(max_context=self.max_context, override=options.bmc_r)
-                             if self.manifest.extra.get("dynamic_past") and self.layout.climbs_ladder else None)
+                             if self.manifest.dynamic_past and self.layout.climbs_ladder else None)
         self._token = np.zeros(1, np.int64)
         self.counters = StepCounters()
         if options.run_parts:  # part entries exist per exported graph, not per ladder rung

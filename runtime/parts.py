@@ -17,8 +17,6 @@ from staticlm.runtime.family.manifest import GraphEntry, Manifest
 
 from .runner import PartRunner
 
-PARTS_KEY = "parts"
-
 
 class NoParts(UserError, ValueError):
     """The family was exported without --parts."""
@@ -26,19 +24,17 @@ class NoParts(UserError, ValueError):
 
 def part_layers(manifest: Manifest) -> list[tuple[int, int]] | None:
     """[a, b) of each layer group, or None for a family without parts."""
-    parts = manifest.extra.get(PARTS_KEY)
-    return None if not parts else [tuple(g) for g in parts["layers"]]
+    return None if manifest.parts is None else list(manifest.parts.layers)
 
 
 def part_entries(manifest: Manifest, entry: GraphEntry, *, model_dir: object = "") -> tuple[GraphEntry, ...]:
     """The parts of one family graph, first to last."""
-    parts = manifest.extra.get(PARTS_KEY)
-    if not parts:
+    if manifest.parts is None:
         raise NoParts(f"{model_dir} has no layer-group parts: export it with --parts N")
-    graphs = parts["graphs"].get(entry.name)
-    if graphs is None:
+    entries = manifest.parts.graphs.get(entry.name)
+    if entries is None:
         raise NoParts(f"{model_dir} has no parts for graph {entry.name}")
-    return tuple(GraphEntry.from_dict(d) for d in graphs)
+    return entries
 
 
 def hidden_arrays(entries: tuple[GraphEntry, ...], *, leading: tuple[int, ...] = ()) -> dict[str, np.ndarray]:

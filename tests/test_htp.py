@@ -270,8 +270,8 @@ def test_sink_recalibration_equals_a_second_quantizer_pass(kv_bits, tiny_hf_dir,
     on SmolLM2); ONNX Runtime's quantizer run on the first tokens is the reference, parameter for parameter."""
     import dataclasses
 
+    from staticlm.export.calibration.traces import record_traces
     from staticlm.export.htp import family as qf
-    from staticlm.export.htp.calibration import record_traces
     from staticlm.export.sources import load_model
     from staticlm.export.weight_file import WeightFileWriter
 
@@ -517,7 +517,7 @@ def test_compile_refuses_a_float_family(tiny_family, tmp_path):
 def test_smollm2_w8a16_agreement(smollm2_loaded, tmp_path):
     """A shortened `staticlm eval`: the smallest family that holds a 300-token window, teacher-forced."""
     from staticlm.apps.commands.eval_metrics import compare, held_out_text
-    from staticlm.export.htp.calibration import calibration_prompts
+    from staticlm.export.calibration.traces import calibration_prompts
     from staticlm.export.htp.family import export_quantized_family
     from staticlm.runtime.model import open_tokenizer
 
@@ -568,9 +568,8 @@ def test_calibration_reaches_the_largest_context_through_trimmed_windows(tiny_hf
     """Calibration steps cover the positions the family serves (short chats alone stop near their own length),
     a step that keeps only a window's worth of its past feeds that window exactly as the whole past does, and
     the padding rows of a short step repeat its last row."""
+    from staticlm.export.calibration.traces import StepFeeds, record_traces, template_entry
     from staticlm.export.htp import family as qf
-    from staticlm.export.htp.calibration import StepFeeds, record_traces
-    from staticlm.export.htp.template import template_entry
     from staticlm.export.sources import load_model
 
     loaded = load_model(tiny_hf_dir)
@@ -629,8 +628,8 @@ def test_calibration_replay_chunks_recompute_the_conversation(tiny_hf_dir, tmp_p
     through the widest prefill graph, writes the same K/V rows the engine wrote while decoding them."""
     import onnxruntime as ort
 
+    from staticlm.export.calibration.traces import StepFeeds, record_traces
     from staticlm.export.htp import family as qf
-    from staticlm.export.htp.calibration import StepFeeds, record_traces
     from staticlm.export.sources import load_model
 
     loaded = load_model(tiny_hf_dir)

@@ -1,4 +1,4 @@
-"""Every common GGUF quant type keeps its own grid on the HTP target (export/htp/grids.py, export/htp/blocks.py).
+"""Every common GGUF quant type keeps its own grid on the HTP target (export/graph/htp_grids.py, export/htp/blocks.py).
 
 One tiny Llama GGUF holds every type: layer 0 one type per projection, layer 1 llama.cpp's Q4_K_M mix. Its head_dim
 is 128, so the softmax scale 1/sqrt(128) is not a power of two and q takes it as a Mul (grids.q_factor); the
@@ -172,7 +172,7 @@ def test_power_of_two_softmax_scale_is_folded_into_the_scales_exactly(loaded):
     """head_dim 64: 1/8 multiplies q's scales and offsets exactly, so q is still gguf's grid (times 1/8)."""
     import dataclasses
 
-    from staticlm.export.htp.grids import ProjectionGrids, q_factor
+    from staticlm.export.graph.htp_grids import ProjectionGrids, q_factor
 
     config = dataclasses.replace(loaded.config, head_dim=64, num_heads=4, num_kv_heads=2)
     assert q_factor(config) == (0.125, False) and q_factor(loaded.config) == (1.0, True)
@@ -217,7 +217,7 @@ def test_htp_emulator_runs_every_grid_form_and_matches_cpu_ep(w4_family, tmp_pat
 
 def test_a_grid_stacked_with_a_float_part_is_rounded_again_and_named(loaded):
     """gate_up is one weight: with a float up_proj, gate_proj's grid cannot stay (write_htp_weights warns)."""
-    from staticlm.export.htp.grids import ProjectionGrids
+    from staticlm.export.graph.htp_grids import ProjectionGrids
     from staticlm.export.sources.gguf_grids import FloatWeight
 
     up = "model.layers.0.mlp.up_proj.weight"

@@ -111,9 +111,9 @@ def test_auto_parts_chain_on_the_cpu_ep_equals_the_family_unsplit(tiny_w4_family
     per_layer, first, last = weight_bytes_by_layer(family, load_manifest(family))
     manifest = add_parts(family, groups=auto_groups(family, max_bytes=max(per_layer[0] + first,
                                                                         per_layer[-1] + last)))
-    for chain in manifest.extra["parts"]["graphs"].values():  # each part reads only its own layers' weights
+    for chain in manifest.parts.graphs.values():  # each part reads only its own layers' weights
         for k, part in enumerate(chain):
-            names = external_bytes([family / part["file"]])
+            names = external_bytes([family / part.file])
             assert {n.split(".")[0] for n in names if n[1:2].isdigit()} == {f"l{k}"}
     whole = Engine(family, options=EngineOptions(device=CPU))
     split = Engine(family, options=EngineOptions(device=CPU, run_parts=True))
@@ -148,10 +148,9 @@ def test_compile_reports_each_contexts_weight_bytes_against_the_limit(tiny_w4_fa
 
 
 def test_parts_options_are_refused_in_one_line_before_the_export(tiny_hf_dir, tmp_path):
-    import argparse
-
-    from staticlm.apps.commands.export import parse_bytes, parse_parts
     from staticlm.errors import InvalidOption
+    from staticlm.export.option_fields import parse_bytes
+    from staticlm.export.options import ExportRequest
 
     common = ("export", "--model", tiny_hf_dir, "--out", tmp_path / "family", "--quiet")
     assert_one_line_error(staticlm(*common, "--parts", "many"), "--parts takes a number of layer groups or auto")
@@ -159,14 +158,14 @@ def test_parts_options_are_refused_in_one_line_before_the_export(tiny_hf_dir, tm
                           "SoC model 12345", "--max-context-bytes")
     assert not (tmp_path / "family").exists()
     with pytest.raises(InvalidOption, match="--target htp"):
-        parse_parts("auto", target="cpu", soc_model=None, max_context_bytes=None)
+        ExportRequest(parts="auto", target="cpu")
     with pytest.raises(InvalidOption, match="use them with --parts auto"):
-        parse_parts("2", target="htp", soc_model="57", max_context_bytes=None)
-    assert parse_parts("auto", target="htp", soc_model=None, max_context_bytes=None) == (None, 2 << 30)
-    assert parse_parts(" Auto", target="htp", soc_model="69", max_context_bytes=5) == (None, 5)
-    assert parse_parts("3", target="cpu", soc_model=None, max_context_bytes=None) == (3, None)
+        ExportRequest(parts="2", target="htp", soc_model="57")
+    assert ExportRequest(parts="auto", target="htp").parts_plan() == (None, 2 << 30)
+    assert ExportRequest(parts=" Auto", target="htp", soc_model="69", max_context_bytes=5).parts_plan() == (None, 5)
+    assert ExportRequest(parts="3", target="cpu").parts_plan() == (3, None)
     assert [parse_bytes(t) for t in ("2000", "1K", "1.5M", "2G", "2gb")] == [2000, 1024, 3 << 19, 2 << 30, 2 << 30]
-    with pytest.raises(argparse.ArgumentTypeError, match="a byte count"):
+    with pytest.raises(InvalidOption, match="a byte count"):
         parse_bytes("lots")
 
 

@@ -100,8 +100,8 @@ def test_each_part_reads_only_its_layers_weights_and_no_node_runs_twice(families
 
 
 def test_htp_parts_chain_equals_the_whole_quantized_family(tiny_hf_dir, tmp_path):
+    from staticlm.export.calibration.traces import calibration_prompts
     from staticlm.export.family import ExportOptions
-    from staticlm.export.htp.calibration import calibration_prompts
     from staticlm.export.htp.family import export_quantized_family
     from staticlm.export.htp.options import QuantOptions
     from staticlm.export.parts import add_parts

@@ -1,4 +1,4 @@
-"""A GGUF grid in the HTP graph's form, x W = x Wl + (x E) C (export/htp/grids.py, export/source_grid.py).
+"""A GGUF grid in the HTP graph's form, x W = x Wl + (x E) C (export/graph/htp_grids.py, export/source_grid.py).
 
 The reference is the gguf package's own quantizer and dequantizer, not our code."""
 import numpy as np
@@ -7,7 +7,7 @@ from gguf.quants import dequantize, quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staticlm.export.htp.grids import htp_grid
+from staticlm.export.graph.htp_grids import htp_grid
 from staticlm.export.source_grid import BLOCK, block_indicator
 from staticlm.export.sources.gguf_grids import decode_grid
 

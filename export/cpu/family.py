@@ -2,7 +2,7 @@
 
 The manifest still lists one entry per rung of the ladder (same names and static shapes as the float
 family, so every consumer binds exactly as before); entries of one (batch, AR) point at the same graph
-file, whose past length is symbolic. `extra["dynamic_past"]` tells the runtime it may also run any other
+file, whose past length is symbolic. The manifest's `dynamic_past` tells the runtime it may also run any other
 past length (the BMC ladder's finer rungs) through that file.
 """
 from __future__ import annotations
@@ -87,8 +87,8 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
             special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
-            kv_dtype=cpu.kv_dtype,
-            extra={"target": TARGET, "weights": cpu.to_dict(), "dynamic_past": True,
+            kv_dtype=cpu.kv_dtype, dynamic_past=True,
+            extra={"target": TARGET, "weights": cpu.to_dict(),
                    **({"source_grids": model.grid_summary()} if model.grid_summary() else {}),
                    **({"weight_rounding": rounding} if rounding else {})})
         manifest.save(work)

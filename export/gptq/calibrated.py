@@ -1,9 +1,9 @@
 """A float source's projections rounded onto 4-bit block grids by GPTQ (rounding.py), for either target.
 
-The Hessians H = X^T X come from the calibration traces the HTP export records (htp/calibration.py): the float
-family (HTP layout: every projection one MatMul(x, W)) runs them on the CPU EP and each projection's input x is
-read out (htp/gptq.py's hessians). Projections reading one input (q, k, v; gate, up) share it and are rounded as
-one matrix. Each result becomes a WeightGrid in LoadedModel.grids, so both targets keep it exactly as they keep a
+The Hessians H = X^T X come from the recorded calibration traces (calibration/traces.py): the float family (HTP
+layout: every projection one MatMul(x, W)) runs them on the CPU EP and each projection's input x is read out
+(calibration/activations.py's hessians). Projections reading one input (q, k, v; gate, up) share it and are rounded
+as one matrix. Each result becomes a WeightGrid in LoadedModel.grids, so both targets keep it exactly as they keep a
 GGUF's own grid: the CPU's MatMulNBits (levels, scales, per-block zero points), HTP's blockwise DequantizeLinear
 (symmetric levels, zero offset). A projection that already has a grid (a GGUF's own) is never rounded again.
 
@@ -19,14 +19,17 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from staticlm.export.calibration.activations import hessians, weight_inputs
+from staticlm.export.calibration.traces import StepFeeds, template_entry
+from staticlm.export.family import WEIGHTS_FILE
+from staticlm.export.graph.htp_grids import projection_sources
 from staticlm.export.graph.llama import attention_weights
-from staticlm.export.htp.gptq import hessians, weight_inputs
-from staticlm.export.htp.grids import projection_sources
 from staticlm.export.sources.gguf_grids import WeightGrid
 from staticlm.export.sources.model import LoadedModel
 
 from . import recipe, rounding
 from .options import GptqOptions, Rounding
+from .sampled import sampled_replays
 
 MAX_HESSIAN_BYTES = 1 << 30  # Hessians held at once; a larger model's layers are read in several passes
 CLASSES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
@@ -137,7 +140,7 @@ class _FamilyWeights:
                 self.views[init.name] = self.stored[offset:offset + length].view(np.float32).reshape(tuple(init.dims))
 
     def write(self, hf: Mapping, rounded: set[str]) -> None:
-        """Each graph weight holding a rounded projection, laid out as htp/graph.py's write_htp_weights does."""
+        """Each graph weight holding a rounded projection, laid out as graph/htp_style.py's write_htp_weights does."""
         for weight, parts in self.sources.items():
             if not any(p in rounded for p, _rows in parts):
                 continue
@@ -264,14 +267,8 @@ def _choose_high(candidates: dict[str, list[WeightGrid]], inputs: dict[str, tupl
 
 def round_on_traces(model: LoadedModel, float_dir: Path, fm, steps, *, mask_value: float, options: GptqOptions,
                     step: Callable[[str], None]) -> tuple[LoadedModel, dict | None]:
-    """round_float_projections on recorded trace steps (htp/calibration.py), run by float_dir, a float family in
-    the HTP layout (manifest fm); step(what) after each layer. No report when there was nothing to round."""
-    from staticlm.export.family import WEIGHTS_FILE
-    from staticlm.export.htp.calibration import StepFeeds
-    from staticlm.export.htp.template import template_entry
-
-    from .sampled import sampled_replays
-
+    """round_float_projections on recorded trace steps (calibration/traces.py), run by float_dir, a float family in the
+    HTP layout (manifest fm); step(what) after each layer. No report when there was nothing to round."""
     if all(hf in model.grids for parts in projection_sources(model.config).values() for hf, _rows in parts):
         return model, None  # every projection keeps its source's grid: nothing to round
     entry = template_entry(fm.graphs)

@@ -45,19 +45,3 @@ class GptqOptions:
                 "sampled_tokens": self.sampled_tokens,
                 **({"bits_budget": self.bits_budget, "high_bits": self.high_bits} if self.bits_budget else {})}
 
-
-def parse_bits_budget(text: str) -> float | None:
-    """--bits-budget: a number of bits per weight, or none (every projection at the low width)."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise InvalidOption(f"--bits-budget takes bits per weight (e.g. 4.5) or none, got {text!r}") from None
-
-
-def parse_rounding(text: str) -> Rounding:
-    try:
-        return Rounding(text.strip().lower())
-    except ValueError:
-        raise InvalidOption(f"--rounding takes {', '.join(r.value for r in Rounding)}, got {text!r}") from None

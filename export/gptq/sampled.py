@@ -1,5 +1,5 @@
 """More calibration rows for GPTQ: the float model's own sampled answers to the calibration prompts, re-read in full
-chunks (as htp/calibration.py re-reads the long conversation).
+chunks (as export/calibration/traces.py re-reads the long conversation).
 
 The recorded traces hold a few thousand rows, most of them the same prompts again: enough for activation ranges,
 too few for a Hessian over K = 576 or 1536 inputs, where GPTQ then fits the calibration rows rather than text.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from staticlm.export.htp.calibration import TraceStep, calibration_prompts, window_rows
+from staticlm.export.calibration.traces import TraceStep, calibration_prompts, window_rows
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.device import Device
 from staticlm.runtime.model import Model, chat_format

@@ -1,14 +1,13 @@
 """Calibration for a target that records no traces of its own (the CPU): the float family in the HTP layout, run
-on the CPU EP over the shipped calibration prompts exactly as `export --target htp` runs it (htp/calibration.py)."""
+on the CPU EP over the shipped calibration prompts exactly as `export --target htp` runs it (calibration/traces.py)."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from staticlm.export.calibration.traces import calibration_prompts, record_traces, template_entry
 from staticlm.export.family import ExportOptions, export_family
-from staticlm.export.htp.calibration import calibration_prompts, record_traces
-from staticlm.export.htp.template import template_entry
 from staticlm.export.sources.model import LoadedModel
 from staticlm.runtime.chat_template import Message
 from staticlm.runtime.model import chat_format

@@ -1,4 +1,4 @@
-"""Blockwise weights in a quantized graph: a GGUF source's own grids (grids.py), kept exactly, and the 4-bit
+"""Blockwise weights in a quantized graph: a GGUF source's own grids (graph/htp_grids.py), kept exactly, and the 4-bit
 weights of a float source.
 
 ORT's quantizer takes block sizes only as one global option for every weight (the embedding's Gather and the
@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .grids import ProjectionGrids, block_sum_name, offsets_name, output_scale_name
+from staticlm.export.graph.htp_grids import ProjectionGrids, block_sum_name, offsets_name, output_scale_name
 
 FLOAT_BLOCK = 32  # a float source's 4-bit blocks
 LOWEST_INT4 = -8

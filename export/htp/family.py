@@ -5,7 +5,7 @@ family-wide boundary parameters from those traces, quantize ONE template graph w
 tooling (boundary tensors pinned, calibrated on every recorded step), strip its boundary Q/DQ, move its
 quantized weights into the family's one weight file, and specialize it to every shape (template.py).
 The same template with its activation parameters calibrated on first tokens only gives the sink graph
-(see calibration.py).
+(see export/calibration/traces.py).
 """
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from staticlm.export.calibration.traces import (
+    StepFeeds,
+    Traces,
+    calibration_prompts,
+    record_traces,
+    template_entry,
+    trace_reader,
+)
 from staticlm.export.family import (
     TOKENIZER_FILE,
     WEIGHTS_FILE,
@@ -29,6 +37,7 @@ from staticlm.export.family import (
     staging_dir,
 )
 from staticlm.export.gptq.calibrated import round_on_traces
+from staticlm.export.graph.htp_grids import ProjectionGrids
 from staticlm.export.htp.options import QuantOptions
 from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
@@ -40,8 +49,6 @@ from staticlm.runtime.model import chat_format
 
 from . import gptq
 from .blocks import grid_overrides, to_block_weights
-from .calibration import StepFeeds, Traces, calibration_prompts, record_traces, trace_reader
-from .grids import ProjectionGrids
 from .kv_only import add_kv_boundary
 from .memory import check_memory, out_of_memory
 from .qdq import (
@@ -55,7 +62,7 @@ from .qdq import (
     through_data_movement,
 )
 from .segment_export import export_segment_graphs, htp_segment_shapes
-from .template import specialize, template_entry
+from .template import specialize
 
 CALIB_NEW_TOKENS = 24  # greedy tokens per calibration prompt: decode steps at growing lengths
 INLINE_LIMIT = 1024  # bytes; smaller initializers (activation scales, shapes) stay inside each graph
@@ -94,7 +101,7 @@ def io_dtypes(fq: FamilyQuant) -> IODtypes:
 
 
 def _projection_weights(config) -> list[str]:
-    """The [in, out] MatMul weights of graph.py, quantized per output channel (axis 1)."""
+    """The [in, out] MatMul weights of export/graph/htp_style.py, quantized per output channel (axis 1)."""
     names = []
     for layer in range(config.num_layers):
         names += [f"l{layer}.q", f"l{layer}.o", f"l{layer}.gate_up", f"l{layer}.down"]
@@ -229,7 +236,7 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
 
 def _sink_template(template: _Template, float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant,
                    config) -> _Template:
-    """The template with its activation parameters calibrated on first tokens only (see calibration.py)."""
+    """The template with its activation parameters calibrated on first tokens only (calibration/traces.py)."""
     ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
                                _step_reader(fm, steps, fq=fq, config=config), sorted(template.ranges))
     proto = signed_matmul_operands(recalibrated(template.proto, calibrated=template.ranges, ranges=ranges,
@@ -280,7 +287,7 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
             prompts: list[str] | None, on_step: Callable[[str], None] | None) -> Manifest:
     config, out_dir = model.config, Path(out_dir)
     segment_shapes = htp_segment_shapes(options, local_layers=bool(config.local_layers))
-    options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see graph.py
+    options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see export/graph/htp_style.py
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
     check_memory(_float_weight_bytes(model))  # before anything is written

@@ -16,36 +16,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from staticlm.export.calibration.activations import hessians, weight_inputs
 from staticlm.export.gptq import rounding
-
-from .qdq import tensor_values
-
-
-def weight_inputs(model: onnx.ModelProto, weights: list[str]) -> dict[str, str]:
-    """weight name -> the activation it multiplies (MatMul(x, W))."""
-    wanted = set(weights)
-    return {n.input[1]: n.input[0] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in wanted}
-
-
-def hessians(float_path: Path, steps: Iterable[tuple[dict[str, np.ndarray], int]],
-             inputs: list[str]) -> dict[str, np.ndarray]:
-    """X^T X of each named activation over the calibration steps: (feeds, number of real rows) each. Padding
-    rows (a multi-row graph running a shorter step) are left out: they repeat a real row's token."""
-    num_rows: list[int] = []
-
-    def feeds():  # lazily: a step's feeds hold its whole KV window
-        for f, n in steps:
-            num_rows.append(n)
-            yield f
-
-    h: dict[str, np.ndarray] = {}
-    for values in tensor_values(float_path, inputs, feeds()):
-        for name, x in zip(inputs, values):
-            rows = x.reshape(-1, x.shape[-1])[:num_rows[-1]]  # [B=1, .., AR, K] -> [real rows, K]: real rows first
-            h[name] = h[name] + rows.T @ rows if name in h else rows.T @ rows  # [K, K]: one GEMM a step
-    if not h:
-        raise ValueError("GPTQ read no calibration steps")
-    return h
 
 
 def channel_scales(w: np.ndarray, qmin: np.ndarray, qmax: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ class QuantOptions:
     quant: Quant = Quant.W8A16
     kv_bits: KVBits = KVBits.B16
     calib_steps: int = 96  # recorded decoding steps (prefill chunks + decode tokens) used for calibration
-    mask_value: float = -100.0  # the masked level the quantized mask input represents (calibration.py)
+    mask_value: float = -100.0  # the masked level the quantized mask input represents (export/calibration/traces.py)
     # w4a16: a float source's projections GPTQ-rounded onto symmetric blocks of 32 (export/gptq/); None: each
     # block's range, nearest rounding (blocks.py)
     gptq: GptqOptions | None = GptqOptions()

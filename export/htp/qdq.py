@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from staticlm.export.calibration.activations import tensor_values
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role, TensorSpec, kv_tensor_index
 from staticlm.runtime.family.quant_params import FamilyQuant, Quant, TensorQuant
 
@@ -93,23 +93,6 @@ def _tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) ->
 
 
 Ranges = dict[str, tuple[np.ndarray, np.ndarray]]  # activation -> (lowest, highest), widened
-
-
-def tensor_values(float_path: Path, names: list[str], feeds: Iterable[dict]) -> Iterator[list[np.ndarray]]:
-    """Run the float graph with the named intermediate tensors as extra outputs; their values for each feed."""
-    import onnxruntime as ort
-
-    model = onnx.load(str(float_path), load_external_data=False)
-    present = {o.name for o in model.graph.output}
-    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in present)
-    path = float_path.with_name(f"{float_path.stem}.tensors.onnx")  # next to it: weights.bin resolves
-    onnx.save_model(model, path)
-    try:
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    finally:
-        path.unlink(missing_ok=True)  # the session holds the graph
-    for f in feeds:
-        yield session.run(names, f)
 
 
 def calibrated_ranges(float_path: Path, reader, names: list[str]) -> Ranges:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from staticlm.export.calibration.traces import TraceStep, window_rows
 from staticlm.export.family import ExportOptions
 from staticlm.kv_manager.segments import SEGMENT_STEP
 from staticlm.runtime.family.config import ModelConfig
@@ -35,7 +36,6 @@ from staticlm.runtime.family.quant_params import FamilyQuant, TensorQuant
 from staticlm.runtime.family.segments import static_segment_graph_io
 from staticlm.runtime.rope import RopeTable
 
-from .calibration import TraceStep, window_rows
 from .qdq import boundary_params
 from .segment_graph import FamilyWeights, HTPSegmentGraph
 from .template import specialize

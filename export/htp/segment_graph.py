@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import onnx
 
+from staticlm.export.graph.htp_style import HTP_OPSET, HTPLlamaGraph
 from staticlm.export.graph.llama import LlamaGraph
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import GraphShape, Role, kv_name
 from staticlm.runtime.family.segments import static_segment_graph_io
-
-from .graph import HTP_OPSET, HTPLlamaGraph
 
 
 class FamilyWeights:

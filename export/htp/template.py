@@ -13,17 +13,8 @@ from __future__ import annotations
 import onnx
 
 from staticlm.export.family import ExportError
-from staticlm.runtime.family.manifest import GraphEntry
 
 INT64 = onnx.TensorProto.INT64
-
-
-def template_entry(graphs: tuple[GraphEntry, ...]) -> GraphEntry:
-    """The multi-row graph with the smallest window: every recorded step (decode tokens and prefill chunks)
-    fits it as rows of one run, and its small window makes calibration cheap."""
-    multi = [g for g in graphs if g.shape.ar > 1]
-    pool = multi or list(graphs)
-    return min(pool, key=lambda g: (-g.shape.ar, g.shape.past_len))
 
 
 def _shape_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -15,9 +16,11 @@ from .quant_params import FamilyQuant, Quant, QuantParamsError
 
 MAGIC = "staticlm-family"
 # 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target);
-# 4: a cpu family's one in-place graph serves every shape (logits_index); older ones load as before
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)  # older families are still valid as written
+# 4: a cpu family's one in-place graph serves every shape (logits_index); 5: `dynamic_past` and `parts` are fields
+# of their own (before, keys of `extra`, where older manifests are still read); older ones load as before
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # older families are still valid as written
+TYPED_FIELDS_VERSION = 5  # the first version with `dynamic_past` and `parts` outside `extra`
 MANIFEST_NAME = "manifest.json"
 
 
@@ -28,7 +31,7 @@ class ManifestError(UserError, ValueError):
 class GraphKind(str, Enum):
     DECODE = "decode"  # AR = 1, P = S - 1
     PREFILL = "prefill"  # AR = N, P = S - N; also the verifier for speculative decoding
-    # AR = 1, only for the first token of a sequence (quantized families): see export/htp/calibration.py, "sink"
+    # AR = 1, only for the first token of a sequence (quantized families): see export/calibration/traces.py, "sink"
     SINK = "sink"
     # batched, AR = 1 (decode) or AR = N (verify): the prompt segment shared by every sequence plus per-sequence
     # response windows (runtime/family/segments.py)
@@ -67,6 +70,58 @@ class GraphEntry:
 
 
 @dataclass(frozen=True)
+class LayerParts:
+    """A family's layer-group graphs (export/parts.py): the groups [a, b) of layers, and for each graph that has
+    them its parts, first to last."""
+
+    layers: tuple[tuple[int, int], ...]
+    graphs: Mapping[str, tuple[GraphEntry, ...]]
+
+    def to_dict(self) -> dict:
+        return {"layers": [list(g) for g in self.layers],
+                "graphs": {name: [e.to_dict() for e in entries] for name, entries in self.graphs.items()}}
+
+    @classmethod
+    def from_dict(cls, d: object, *, num_layers: int, graphs: tuple[GraphEntry, ...]) -> LayerParts:
+        """Checked against the family: groups covering its layers in order, parts only of its graphs, one part per
+        group, each at its graph's shape."""
+        if not isinstance(d, dict) or not isinstance(d.get("layers"), list) or not isinstance(d.get("graphs"), dict):
+            raise ManifestError(f"manifest field parts must be an object with a list `layers` and an object `graphs`, "
+                                f"got {_short(d)}")
+        layers = d["layers"]
+        ends = [b for g in layers if _is_pair(g) for b in g]
+        if not layers or len(ends) != 2 * len(layers) or ends[0] != 0 or ends[-1] != num_layers or \
+                any(a >= b for a, b in zip(ends[::2], ends[1::2])) or ends[1:-1:2] != ends[2::2]:
+            raise ManifestError(f"manifest field parts.layers must be [a, b) groups covering layers 0..{num_layers} "
+                                f"in order, got {_short(layers)}")
+        shapes = {g.name: g.shape for g in graphs}
+        out = {}
+        for name, chain in d["graphs"].items():
+            where = f"manifest field parts.graphs[{name!r}]"
+            if name not in shapes:
+                raise ManifestError(f"{where}: the family has no graph {name!r}")
+            if not isinstance(chain, list) or len(chain) != len(layers):
+                raise ManifestError(f"{where} must list one part per layer group ({len(layers)}), got {_short(chain)}")
+            try:
+                entries = tuple(GraphEntry.from_dict(e) for e in chain)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise ManifestError(f"{where} has a malformed part entry: {type(e).__name__} {e}") from None
+            if any(e.shape != shapes[name] for e in entries):
+                raise ManifestError(f"{where} has a part whose shape differs from the graph's {shapes[name]}")
+            out[name] = entries
+        return cls(layers=tuple((a, b) for a, b in layers), graphs=out)
+
+
+def _is_pair(g: object) -> bool:
+    return isinstance(g, list) and len(g) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in g)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+@dataclass(frozen=True)
 class SpecialTokens:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -90,7 +145,10 @@ class Manifest:
     quantization: dict | None = None
     source: str = ""
     format_version: int = FORMAT_VERSION
-    extra: dict = field(default_factory=dict)
+    # the graphs take any past length, not only their own (a cpu family's in-place graphs): the BMC ladder's rungs
+    dynamic_past: bool = False
+    parts: LayerParts | None = None  # the layer-group graphs of a family exported with --parts
+    extra: dict = field(default_factory=dict)  # facts for people and messages (target, weights, calibration, ...)
 
     @property
     def max_context(self) -> int:
@@ -140,7 +198,8 @@ class Manifest:
 
     def to_dict(self) -> dict:
         st = self.special_tokens
-        return {"magic": MAGIC, "format_version": self.format_version, "source": self.source,
+        # this version's layout, whatever version the manifest was read from
+        return {"magic": MAGIC, "format_version": FORMAT_VERSION, "source": self.source,
                 "model": self.model.to_dict(), "kv_layout": self.kv_layout.value, "kv_dtype": self.kv_dtype,
                 "weights": {"file": self.weights_file, "bytes": self.weights_bytes, "sha256": self.weights_sha256},
                 "tokenizer": {"file": self.tokenizer_file, "chat_template": self.chat_template,
@@ -148,6 +207,7 @@ class Manifest:
                               "bos_token": st.bos_token, "eos_token": st.eos_token,
                               "add_bos_token": st.add_bos_token},
                 "quantization": self.quantization, "graphs": [g.to_dict() for g in self.graphs],
+                "dynamic_past": self.dynamic_past, "parts": self.parts.to_dict() if self.parts else None,
                 "extra": self.extra}
 
     def save(self, directory: Path) -> Path:
@@ -172,8 +232,19 @@ def _parse(d: dict) -> Manifest:
         raise ManifestError(f"manifest format version {version} is not supported (this staticlm reads "
                             f"{FORMAT_VERSION}); re-export the model with this version")
     tok, w = d["tokenizer"], d["weights"]
+    model, graphs = ModelConfig.from_dict(d["model"]), tuple(GraphEntry.from_dict(g) for g in d["graphs"])
+    extra = d.get("extra") or {}
+    if not isinstance(extra, dict):
+        raise ManifestError(f"manifest field extra must be an object, got {_short(extra)}")
+    typed = d
+    if version < TYPED_FIELDS_VERSION:  # they were keys of `extra` then
+        typed, extra = extra, {k: v for k, v in extra.items() if k not in ("dynamic_past", "parts")}
+    dynamic_past = typed.get("dynamic_past", False)
+    if not isinstance(dynamic_past, bool):
+        raise ManifestError(f"manifest field dynamic_past must be true or false, got {_short(dynamic_past)}")
+    parts = typed.get("parts") or None  # an old export may have written an empty object
     manifest = Manifest(
-        model=ModelConfig.from_dict(d["model"]), graphs=tuple(GraphEntry.from_dict(g) for g in d["graphs"]),
+        model=model, graphs=graphs,
         weights_file=w["file"], weights_bytes=int(w["bytes"]), weights_sha256=w["sha256"],
         tokenizer_file=tok["file"], chat_template=tok.get("chat_template"),
         special_tokens=SpecialTokens(bos_token_id=tok.get("bos_token_id"),
@@ -181,7 +252,9 @@ def _parse(d: dict) -> Manifest:
                                      bos_token=tok.get("bos_token"), eos_token=tok.get("eos_token"),
                                      add_bos_token=bool(tok.get("add_bos_token"))),
         kv_layout=KVLayout(d["kv_layout"]), kv_dtype=d["kv_dtype"], quantization=d.get("quantization"),
-        source=d.get("source", ""), format_version=version, extra=d.get("extra") or {})
+        source=d.get("source", ""), format_version=version, dynamic_past=dynamic_past,
+        parts=None if parts is None else LayerParts.from_dict(parts, num_layers=model.num_layers, graphs=graphs),
+        extra=extra)
     if manifest.quantization is not None:
         try:
             quant = manifest.quant

@@ -27,6 +27,7 @@ from staticlm.kv_manager import LayeredKVCache, attention_bias
 from staticlm.runtime.device import Device
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, TensorSpec, kv_tensor_index
+from staticlm.runtime.family.manifest import GraphEntry
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
 from staticlm.runtime.rope import RopeTable
@@ -70,6 +71,14 @@ def window_rows(past: np.ndarray, max_rows: int) -> np.ndarray:
     if n <= max_rows:
         return past
     return np.concatenate([past[:, :1], past[:, n - max_rows + 1:]], axis=1)
+
+
+def template_entry(graphs: tuple[GraphEntry, ...]) -> GraphEntry:
+    """The multi-row graph with the smallest window: every recorded step (decode tokens and prefill chunks)
+    fits it as rows of one run, and its small window makes calibration cheap."""
+    multi = [g for g in graphs if g.shape.ar > 1]
+    pool = multi or list(graphs)
+    return min(pool, key=lambda g: (-g.shape.ar, g.shape.past_len))
 
 
 def calibration_prompts() -> list[str]:

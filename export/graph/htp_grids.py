@@ -104,7 +104,7 @@ def q_factor(config: ModelConfig) -> tuple[float, bool]:
 
 
 def projection_sources(config: ModelConfig) -> dict[str, list[tuple[str, slice]]]:
-    """Graph weight -> the HF projections (and output rows) it stacks, in output order (graph.py's layout)."""
+    """Graph weight -> the HF projections (and output rows) it stacks, in output order (htp_style.py's layout)."""
     out = {}
     d = config.head_dim
     for layer in range(config.num_layers):

@@ -22,14 +22,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from staticlm.export.graph.llama import LlamaGraph, attention_weights, layer_norms
-from staticlm.export.htp.grids import (
+from staticlm.export.graph.htp_grids import (
     ProjectionGrids,
     block_sum_name,
     offsets_name,
     output_scale_name,
     q_factor,
 )
+from staticlm.export.graph.llama import LlamaGraph, attention_weights, layer_norms
 from staticlm.export.source_grid import block_indicator
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.config import ModelConfig
@@ -39,7 +39,7 @@ HTP_OPSET = 21
 
 
 def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray, grids: ProjectionGrids) -> None:
-    """An [in, out] projection; one with a source grid (grids.py) is stored as its symmetric part, plus block
+    """An [in, out] projection; one with a source grid (htp_grids.py) is stored as its symmetric part, plus block
     offsets for types with minima, which HTPLlamaGraph.linear reads (blocks.py makes the exact blockwise
     DequantizeLinear from the same grid)."""
     grid = grids.get(name)
@@ -151,7 +151,7 @@ class HTPLlamaGraph(LlamaGraph):
         return model
 
     def linear(self, x: str, weight: str, *, out: str | None = None) -> str:
-        """x @ W; for a source grid with minima x @ Wl + (x E) @ C (grids.py); times the weight's output scale
+        """x @ W; for a source grid with minima x @ Wl + (x E) @ C (htp_grids.py); times the weight's output scale
         where it has one (a grid q's softmax scale that its scales cannot take exactly)."""
         g = self.g
         named = {"outputs": [out]} if out else {}

@@ -1,0 +1,193 @@
+"""The export options, declared once.
+
+Each field of `ExportRequest` carries its flag, help, choices, bounds and parser (export/option_fields.py). The
+`staticlm export` flags are built from these fields (apps/commands/export.py), and the Python API takes the same
+names: `ExportRequest(**options)` for `export_model` (export/run.py) or `run_export(**options)` (the progress bar).
+A request is checked when it is made, before any (possibly slow) source is read; a bad value is one InvalidOption
+line. A field left at None was not given: its help says what that means.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from staticlm.errors import InvalidOption
+from staticlm.runtime.device import max_context_weight_bytes
+from staticlm.runtime.family.quant_params import KVBits, Quant
+
+from .cpu.options import KV_DTYPES, CpuAttention, CpuOptions, GridMinima, WeightBits, default_kv_dtype
+from .family import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, DEFAULT_VERIFY_LENS, ExportOptions
+from .gptq.options import GptqOptions, Rounding
+from .htp.options import QuantOptions
+from .option_fields import coerce, int_list, option, parse_bits_budget, parse_bytes, parse_parts
+from .sources import DEFAULT_NAMES
+
+TARGETS = ("float", "cpu", "htp")
+RTN = "rtn"  # --rounding rtn: no calibration, each block's range
+ROUNDINGS = (Rounding.ACT_ORDER.value, Rounding.SEQUENTIAL.value, Rounding.GPTQ.value, Rounding.NEAREST.value, RTN)
+GRIDS = {"offsets": {"symmetric": False, "offsets": True}, "zero-points": {"symmetric": False, "offsets": False},
+         "symmetric": {"symmetric": True, "offsets": False}}
+
+
+def _contexts(value: object, name: str) -> tuple[int, ...]:
+    values = int_list(value, name)
+    if not values or min(values) < 2:
+        raise InvalidOption(f"{name} sizes must be integers >= 2, got {value!r}")
+    return values
+
+
+def _lens(value: object, name: str) -> tuple[int, ...]:
+    """A list of sizes, or none ('none' or empty)."""
+    return () if isinstance(value, str) and value.strip().lower() in ("", "none") else int_list(value, name)
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    # -- what to read, what to write -------------------------------------------------------------------------
+    model: str = option(DEFAULT_NAMES[0], "a .gguf file, a HF checkpoint dir or hub id, or the embedded smollm2-135m",
+                        metavar="SOURCE")
+    out_dir: Path | None = option(None, "output directory (default: the default model's own in the staticlm home, "
+                                  "else NAME-staticlm here)", flag="--out")
+    contexts: tuple[int, ...] = option(DEFAULT_CONTEXTS, "context sizes, e.g. 256,512,1024,2048", flag="--context",
+                                       parse=_contexts, metavar="N,N,...")
+    prefill_len: int = option(DEFAULT_PREFILL_LEN, "AR of the prefill graph", low=2)
+    draft_layers: int | None = option(None, "export only the first K layers: a draft model for --speculate draft:DIR")
+    batch_sizes: tuple[int, ...] = option(DEFAULT_BATCH_SIZES, "batched decode graphs for --num-responses; 'none' "
+                                          "for none", parse=_lens, metavar="N,N,...")
+    verify_lens: tuple[int, ...] | None = option(None, "extra AR=N graphs for speculative verification (default "
+                                                 "4,8,16, those under --prefill-len; 'none' for none)", parse=_lens,
+                                                 metavar="N,N,...")
+    # -- the target ------------------------------------------------------------------------------------------
+    target: str | None = option(None, "htp: quantized QDQ family for the Qualcomm NPU; cpu: MatMulNBits 4/8-bit "
+                                "weights for the CPU EP (default: float, or cpu with --weight-bits, --cpu-attention "
+                                "or --calib)", choices=TARGETS)
+    weight_bits: int | None = option(None, "with --target cpu: 4 (default) or 8", choices=("4", "8"))
+    cpu_attention: str | None = option(None, "with --target cpu: gqa (default: GroupQueryAttention, KV appended in "
+                                       "place) or windows (per-head past windows, for the kv_manager strategies and "
+                                       "the BMC ladder)", choices=tuple(a.value for a in CpuAttention))
+    kv_dtype: str | None = option(None, "with --target cpu: the KV cache's element type (default: float16 where the "
+                                  "CPU computes in half precision, else float32)", choices=KV_DTYPES)
+    grid_minima: str | None = option(None, "with --target cpu, a GGUF grid with block minima (Q4_1, Q4_K, Q5_1, "
+                                     "Q5_K): exact (default: every weight gguf's own, an offset MatMul per linear) or "
+                                     "folded (integer zero points and the remainder in correction rows: weights "
+                                     "within a few hundredths of a step, faster decode; the default model's "
+                                     "first-run export uses it)", choices=tuple(m.value for m in GridMinima))
+    quant: str | None = option(None, "with --target htp: w8a16 (default), w4a16, or kv (KV only)",
+                               choices=(Quant.W8A16.value, Quant.W4A16.value, Quant.KV_ONLY.value))
+    kv_bits: int | None = option(None, "with --target htp: KV I/O bits, 16 (default) or 8",
+                                 choices=tuple(str(int(b)) for b in KVBits))
+    # -- calibration and the rounding of float weights -------------------------------------------------------
+    calib_steps: int | None = option(None, "with --target htp or --calib: recorded steps to calibrate on", low=1)
+    calib: bool = option(False, "with --target cpu --weight-bits 4: round float weights by GPTQ on recorded "
+                         "calibration traces")
+    rounding: str | None = option(None, "4-bit float weights with --calib or --quant w4a16: act-order (default: "
+                                  "GPTQ, loudest input first), sequential (each layer fit to the rounded layers' "
+                                  "outputs), gptq, nearest, or rtn (no calibration: each block's range)",
+                                  choices=ROUNDINGS)
+    bits_budget: float | Literal["none"] | None = option(
+        None, "4-bit float weights with --calib or --quant w4a16: the projections whose rounding costs most on the "
+        "calibration rows get 8-bit blocks, at most this many level bits per weight on average (default 4.5); none: "
+        "all 4-bit", parse=parse_bits_budget, metavar="BITS|none")
+    grid: str | None = option(None, "4-bit float weights with --calib or --quant w4a16: offsets (default: a float "
+                              "minimum per block, as GGUF Q4_1), zero-points (--target cpu: MatMulNBits' own) or "
+                              "symmetric", choices=tuple(GRIDS))
+    # -- layer-group parts -----------------------------------------------------------------------------------
+    parts: int | Literal["auto"] | None = option(
+        None, "also write every graph as N layer-group graphs: --prefill-workers (KV-Runahead) and --parts runs need "
+        "them, and so does a model larger than one HTP context; auto (--target htp): as few as keep each part's "
+        "weights within one context of --soc-model", parse=parse_parts, metavar="N|auto")
+    soc_model: str | None = option(None, "with --parts auto: the QNN SoC model whose context limit the parts fit "
+                                   "(default 57)")
+    max_context_bytes: int | None = option(None, "with --parts auto: the weight bytes one context holds, instead of "
+                                           "the SoC's (e.g. 1900M)", parse=parse_bytes, metavar="BYTES")
+    quiet: bool = option(False, "no progress bar and no summary on stderr")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, coerce(f, getattr(self, f.name), owner=ExportRequest))
+        given_cpu = self.weight_bits is not None or self.cpu_attention is not None or self.calib
+        object.__setattr__(self, "target", self.target or ("cpu" if given_cpu else "float"))
+        self._check_target_flags()
+        self.parts_plan()
+        if self.target == "cpu":
+            self.cpu_options()
+        elif self.target == "htp":
+            self.quant_options()
+
+    def _check_target_flags(self) -> None:
+        cpu_flags = (self.weight_bits, self.cpu_attention, self.calib or None, self.grid_minima, self.kv_dtype)
+        if self.target != "cpu" and any(o is not None for o in cpu_flags):
+            raise InvalidOption(f"--weight-bits, --cpu-attention, --calib, --grid-minima and --kv-dtype need --target "
+                                f"cpu, got --target {self.target}")
+        if self.target != "htp" and (self.quant is not None or self.kv_bits is not None):
+            raise InvalidOption(f"--quant and --kv-bits need --target htp, got --target {self.target}")
+        if self.target == "float" and self._rounding_given(self.calib_steps):
+            raise InvalidOption("--calib-steps, --rounding, --grid and --bits-budget need --target htp or --target "
+                                "cpu --calib")
+
+    def _rounding_given(self, *more: object) -> bool:
+        return any(o is not None for o in (self.rounding, self.grid, self.bits_budget, *more))
+
+    # -- what the export is made from ------------------------------------------------------------------------
+    def family_options(self) -> ExportOptions:
+        """The graphs' shapes; verify lengths not given: the defaults that fit under the prefill length."""
+        verify = self.verify_lens if self.verify_lens is not None else tuple(
+            n for n in DEFAULT_VERIFY_LENS if n < self.prefill_len)
+        return ExportOptions(contexts=self.contexts, prefill_len=self.prefill_len, verify_lens=verify,
+                             batch_sizes=self.batch_sizes)
+
+    def gptq_options(self) -> GptqOptions | None:
+        """How float weights are rounded on calibration traces (--rounding, --grid, --bits-budget); None: rtn."""
+        if self.rounding == RTN:
+            if self.grid is not None or self.bits_budget is not None:
+                raise InvalidOption("--grid and --bits-budget are the calibrated rounding's: leave them out with "
+                                    "--rounding rtn")
+            return None
+        form = self.grid or "offsets"
+        if self.target == "htp" and form == "zero-points":
+            raise InvalidOption(f"--grid with --target htp takes offsets or symmetric, got {self.grid!r}")
+        budget = {} if self.bits_budget is None else {
+            "bits_budget": None if self.bits_budget == "none" else self.bits_budget}
+        return GptqOptions(rounding=Rounding(self.rounding or Rounding.ACT_ORDER.value), **GRIDS[form], **budget)
+
+    def cpu_options(self) -> CpuOptions:
+        bits, attention = WeightBits(self.weight_bits or 4), CpuAttention(self.cpu_attention or "gqa")
+        if self._rounding_given(self.calib_steps) and not self.calib:
+            raise InvalidOption("--rounding, --grid, --bits-budget and --calib-steps with --target cpu need --calib")
+        if self.calib and bits != WeightBits.INT4:
+            raise InvalidOption("--calib rounds 4-bit weights: leave out --weight-bits 8")
+        if self.kv_dtype is not None and attention is not CpuAttention.GQA:
+            raise InvalidOption("--kv-dtype is the gqa attention's: the windows layout keeps float32 KV")
+        base = CpuOptions(bits=bits, attention=attention, grid_minima=GridMinima(self.grid_minima or "exact"),
+                          kv_dtype=self.kv_dtype or default_kv_dtype())
+        if not self.calib:
+            return base
+        return dataclasses.replace(base, calib_steps=self.calib_steps or base.calib_steps, gptq=self.gptq_options())
+
+    def quant_options(self) -> QuantOptions:
+        quant = Quant(self.quant or Quant.W8A16.value)
+        if self._rounding_given() and quant is not Quant.W4A16:
+            raise InvalidOption("--rounding, --grid and --bits-budget with --target htp need --quant w4a16")
+        return QuantOptions(quant=quant, kv_bits=KVBits(self.kv_bits or 16), gptq=self.gptq_options(),
+                            **({"calib_steps": self.calib_steps} if self.calib_steps is not None else {}))
+
+    def parts_plan(self) -> tuple[int | None, int | None]:
+        """(a number of layer-group parts, or None; the weight bytes a part may hold when the export chooses the
+        groups, or None)."""
+        if self.parts == "auto":
+            if self.target != "htp":
+                raise InvalidOption("--parts auto fits HTP contexts: use it with --target htp (or give --parts N)")
+            return None, max_context_weight_bytes(self.soc_model, override=self.max_context_bytes)
+        if self.soc_model is not None or self.max_context_bytes is not None:
+            raise InvalidOption("--soc-model and --max-context-bytes choose parts: use them with --parts auto")
+        return self.parts, None
+
+    def describe(self) -> str:
+        """What the target writes, for the summary line."""
+        if self.target == "cpu":
+            cpu = self.cpu_options()
+            return (f"CPU ({cpu.attention.value} attention; float weights to int{int(cpu.bits)}, "
+                    f"head int{int(cpu.head)})")
+        return f"{self.quant_options().quant.value} HTP" if self.target == "htp" else "float"

@@ -1,0 +1,82 @@
+"""One export, whatever the target: read the source, optionally cut it to a draft model, write the family with the
+target's writer, then its layer-group parts.
+
+The steps are reported to report(what, advance=1, total=None) and lines meant for the user to note(line); the
+caller shows them (apps/commands/export.py: a progress bar on stderr, or the desktop app's dialog).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from staticlm.errors import InvalidOption
+from staticlm.runtime.family.config import ModelConfig
+from staticlm.runtime.family.manifest import Manifest
+
+from .calibration.traces import calibration_prompts
+from .cpu.family import export_cpu_family, num_cpu_steps
+from .draft import truncate_layers
+from .family import export_family, num_steps
+from .htp.family import export_quantized_family, num_quant_steps
+from .options import ExportRequest
+from .parts import add_parts, auto_groups, layer_groups
+from .sources import LoadedModel, load_model
+
+Report = Callable[..., None]  # report(what, advance=1, total=None)
+
+
+@dataclass(frozen=True)
+class TargetWriter:
+    num_steps: Callable[[ModelConfig], int]  # progress steps of the writer, once the source's config is known
+    write: Callable[[LoadedModel, Path, Callable[[str], None]], Manifest]  # (source, out_dir, on_step)
+
+
+def target_writer(request: ExportRequest) -> TargetWriter:
+    options = request.family_options()
+    if request.target == "cpu":
+        cpu = request.cpu_options()
+        return TargetWriter(
+            lambda config: num_cpu_steps(options, config, cpu=cpu, calibrated=cpu.gptq is not None),
+            lambda loaded, out, on_step: export_cpu_family(loaded, out, options=options, cpu=cpu, on_step=on_step))
+    if request.target == "htp":
+        quant, prompts = request.quant_options(), calibration_prompts()
+        return TargetWriter(
+            lambda config: num_quant_steps(options, len(prompts), quant.quant) + quant.num_gptq_steps(config),
+            lambda loaded, out, on_step: export_quantized_family(loaded, out, options=options, quant=quant,
+                                                                 prompts=prompts, on_step=on_step))
+    return TargetWriter(lambda _config: num_steps(options),
+                        lambda loaded, out, on_step: export_family(loaded, out, options=options, on_step=on_step))
+
+
+def export_model(request: ExportRequest, *, report: Report | None = None,
+                 note: Callable[[str], None] | None = None) -> Manifest:
+    """The family request asks for, written to request.out_dir (atomically: see family.staged_family)."""
+    if request.out_dir is None:
+        raise InvalidOption("an export needs an output directory (--out)")
+    report = report or (lambda *_args, **_kw: None)
+    note = note or (lambda _line: None)
+    writer = target_writer(request)
+    num_parts, max_part_bytes = request.parts_plan()
+    out = request.out_dir
+    report(f"reading {request.model}", advance=0)
+    loaded = load_model(request.model)
+    report("read", total=1 + writer.num_steps(loaded.config))
+    for line in (loaded.grid_summary() and f"keeping the GGUF's own weight grids: {loaded.grid_summary()}",
+                 loaded.requantized_warning()):
+        if line:
+            note(line)
+    if request.draft_layers is not None:
+        loaded = truncate_layers(loaded, request.draft_layers)
+    report("writing weights")
+    if num_parts is not None:
+        layer_groups(loaded.config.num_layers, num_parts)  # refused before the (possibly slow) export
+    manifest = writer.write(loaded, out, lambda name: report(f"wrote {name}"))
+    if num_parts is not None:
+        return add_parts(out, num_parts)
+    if max_part_bytes is not None:
+        groups = auto_groups(out, max_bytes=max_part_bytes)
+        if len(groups) > 1:  # one group: the whole graphs already fit one context
+            manifest = add_parts(out, groups=groups)
+        note(f"--parts auto: {len(groups)} layer group(s) {groups} within {max_part_bytes} bytes a context")
+    return manifest
