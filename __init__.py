@@ -21,19 +21,19 @@ if TYPE_CHECKING:
     from staticlm.errors import InvalidOption, UserError
     from staticlm.kv_manager import ContextFull
     from staticlm.runtime.chat import ChatSession
-    from staticlm.runtime.chat_template import Message
-    from staticlm.runtime.device import Device
-    from staticlm.runtime.generator import FinishReason, GenerationParams, GenerationResult, Generator
+    from staticlm.runtime.generate.generator import FinishReason, GenerationParams, GenerationResult, Generator
+    from staticlm.runtime.generate.sampling import SamplingParams
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
-    from staticlm.runtime.sampling import SamplingParams
+    from staticlm.runtime.session.device import Device
+    from staticlm.runtime.text.chat_template import Message
 
 _API = {
     "Model": "staticlm.runtime.model", "RunOptions": "staticlm.runtime.options",
-    "ChatSession": "staticlm.runtime.chat", "Message": "staticlm.runtime.chat_template",
-    "Generator": "staticlm.runtime.generator", "GenerationParams": "staticlm.runtime.generator",
-    "GenerationResult": "staticlm.runtime.generator", "FinishReason": "staticlm.runtime.generator",
-    "SamplingParams": "staticlm.runtime.sampling", "Device": "staticlm.runtime.device",
+    "ChatSession": "staticlm.runtime.chat", "Message": "staticlm.runtime.text.chat_template",
+    "Generator": "staticlm.runtime.generate.generator", "GenerationParams": "staticlm.runtime.generate.generator",
+    "GenerationResult": "staticlm.runtime.generate.generator", "FinishReason": "staticlm.runtime.generate.generator",
+    "SamplingParams": "staticlm.runtime.generate.sampling", "Device": "staticlm.runtime.session.device",
     "ContextFull": "staticlm.kv_manager", "UserError": "staticlm.errors", "InvalidOption": "staticlm.errors",
 }
 __all__ = ["ChatSession", "ContextFull", "Device", "FinishReason", "GenerationParams", "GenerationResult",

@@ -9,10 +9,10 @@ from pathlib import Path
 from staticlm.apps.commands.export import run_export
 from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
 from staticlm.errors import InvalidOption
-from staticlm.runtime.device import npu_available
 from staticlm.runtime.family.manifest import MANIFEST_NAME, read_manifest
 from staticlm.runtime.model import Model, check_draft_model
 from staticlm.runtime.options import RunOptions
+from staticlm.runtime.session.device import npu_available
 
 
 def default_target() -> str:

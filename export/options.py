@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from staticlm.errors import InvalidOption
-from staticlm.runtime.device import max_context_weight_bytes
 from staticlm.runtime.family.quant_params import KVBits, Quant
+from staticlm.runtime.session.device import max_context_weight_bytes
 
 from .cpu.options import KV_DTYPES, CpuAttention, CpuOptions, GridMinima, WeightBits, default_kv_dtype
 from .family import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, DEFAULT_VERIFY_LENS, ExportOptions

@@ -6,7 +6,7 @@ float, cpu or the quantized htp graphs) at the tensors every builder names `l{L}
 target's graphs, `l{L}_out_normed`, the next layer's normed input), so a part computes exactly what its layers
 computed in the whole graph, reads the same weights (the one weights.bin, referenced, never copied) and binds the
 same KV tensors of its layers. Two uses:
-- KV-Runahead (runtime/runahead.py): workers sync per layer group on the KV rows earlier workers wrote;
+- KV-Runahead (runtime/engine/runahead.py): workers sync per layer group on the KV rows earlier workers wrote;
 - a model larger than one HTP context (about 2 GB of weights per QNN context): each part is its own context.
 """
 from __future__ import annotations

@@ -7,15 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import ContextFull, Overflow
-
-from .chat_template import ChatMessage, Message, render_chat
-from .drive import GenerationResult
-from .prompt_room import max_prompt_tokens
-from .text_stream import FinishReason, GenerationParams
-from .tokenizer import Tokenizer
+from staticlm.runtime.generate.drive import GenerationResult
+from staticlm.runtime.generate.text_stream import FinishReason, GenerationParams
+from staticlm.runtime.text.chat_template import ChatMessage, Message, render_chat
+from staticlm.runtime.text.prompt_room import max_prompt_tokens
+from staticlm.runtime.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from .model import Model
+    from staticlm.runtime.model import Model
 
 
 @dataclass(frozen=True)

@@ -9,20 +9,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from staticlm.errors import InvalidOption
-
-from .batch_speculative import BatchSpeculator
-from .chat import ChatFormat, ChatSession
-from .drafters import DraftModelDrafter, PromptLookupDrafter
-from .drive import GenerationResult, Response, generate_many, stream
-from .engine import Engine
-from .family.manifest import Manifest, load_manifest
-from .generator import Generator
-from .loop import GenerationLoop
-from .options import RunOptions
-from .speculate_options import SpeculateMode, SpeculateOptions
-from .speculative import DraftLength, Speculator
-from .text_stream import GenerationParams
-from .tokenizer import Tokenizer
+from staticlm.runtime.chat import ChatFormat, ChatSession
+from staticlm.runtime.engine.engine import Engine
+from staticlm.runtime.family.manifest import Manifest, load_manifest
+from staticlm.runtime.generate.drive import GenerationResult, Response, generate_many, stream
+from staticlm.runtime.generate.generator import Generator
+from staticlm.runtime.generate.loop import GenerationLoop
+from staticlm.runtime.generate.text_stream import GenerationParams
+from staticlm.runtime.options import RunOptions
+from staticlm.runtime.speculative.batch_speculative import BatchSpeculator
+from staticlm.runtime.speculative.drafters import DraftModelDrafter, PromptLookupDrafter
+from staticlm.runtime.speculative.speculate_options import SpeculateMode, SpeculateOptions
+from staticlm.runtime.speculative.speculative import DraftLength, Speculator
+from staticlm.runtime.text.tokenizer import Tokenizer
 
 
 def open_tokenizer(model_dir: str | Path, manifest: Manifest | None = None) -> Tokenizer:

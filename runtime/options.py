@@ -17,12 +17,11 @@ from typing import Any
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import Overflow, Strategy
-
-from .device import DEFAULT_SOC_MODEL, Device, DeviceOptions
-from .engine import EngineOptions
-from .sampling import SamplingParams
-from .speculate_options import SpeculateOptions
-from .text_stream import GenerationParams
+from staticlm.runtime.engine.engine import EngineOptions
+from staticlm.runtime.generate.sampling import SamplingParams
+from staticlm.runtime.generate.text_stream import GenerationParams
+from staticlm.runtime.session.device import DEFAULT_SOC_MODEL, Device, DeviceOptions
+from staticlm.runtime.speculative.speculate_options import SpeculateOptions
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 SAME = object()  # an app_default equal to the CLI's

@@ -60,8 +60,8 @@ def _export(model_path, out, *, target: str = "float", **cpu_kw):
 
 
 def _engine(family):
-    from staticlm.runtime.device import Device, DeviceOptions
-    from staticlm.runtime.engine import Engine, EngineOptions
+    from staticlm.runtime.engine.engine import Engine, EngineOptions
+    from staticlm.runtime.session.device import Device, DeviceOptions
 
     return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2)))
 
@@ -69,7 +69,7 @@ def _engine(family):
 def _greedy(family, n: int) -> list[int]:
     from conftest import model_of
 
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     params = GenerationParams(max_new_tokens=n, ignore_eos=True)
     return list(model_of(_engine(family)).generate(PROMPT, params).token_ids)
@@ -159,8 +159,8 @@ def test_htp_emulator_runs_every_architecture_like_the_cpu_ep(tiny, arch, tmp_pa
     """Every node on HTP (CPU fallback disabled): the q/k norms, partial rotary and biases included."""
     from test_htp import _htp_copy
 
-    from staticlm.runtime.device import Device, DeviceOptions
-    from staticlm.runtime.engine import Engine, EngineOptions
+    from staticlm.runtime.engine.engine import Engine, EngineOptions
+    from staticlm.runtime.session.device import Device, DeviceOptions
 
     _hf_dir, _model, gguf = tiny(arch)
     directory = _htp_copy(_export(gguf, tmp_path / "family", target="htp"), tmp_path / "emu")
@@ -326,7 +326,7 @@ def test_config_round_trips_and_old_manifests_load(tiny):
 def test_gemma3_rewinds_within_and_past_the_local_windows(tiny, tmp_path):
     """A rewind the local layers' kept rows cover truncates; one past them prefills again; both give the logits a
     fresh cache gives (chat turns rewind to the prefix they share)."""
-    from staticlm.runtime.generator import Generator
+    from staticlm.runtime.generate.generator import Generator
     from staticlm.runtime.model import open_tokenizer
 
     family = _export(_source(tiny, "gemma3", "gguf"), tmp_path / "family")

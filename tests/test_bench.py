@@ -76,7 +76,7 @@ def test_markdown_table_and_plots(quick_run):
 
 def test_microbench_choice_matches_the_model_on_the_measured_constants(quick_run):
     out, cache, _ = quick_run
-    from staticlm.runtime.ladder import load_rates
+    from staticlm.runtime.engine.ladder import load_rates
 
     report = json.loads((out / "bench.json").read_text())
     rates = load_rates(cache / "bmc_host.json")

@@ -52,8 +52,8 @@ def graphs(family: Path) -> list[Path]:
 
 
 def engine(family: Path):
-    from staticlm.runtime.device import Device, DeviceOptions
-    from staticlm.runtime.engine import Engine, EngineOptions
+    from staticlm.runtime.engine.engine import Engine, EngineOptions
+    from staticlm.runtime.session.device import Device, DeviceOptions
 
     return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2)))
 
@@ -285,11 +285,11 @@ def test_batched_and_speculative_decoding_reproduce_plain_decoding(cpu_families,
     # tokens with prompt-lookup drafts.
     from conftest import model_of
 
-    from staticlm.runtime.drafters import PromptLookupDrafter
-    from staticlm.runtime.engine import Engine
+    from staticlm.runtime.engine.engine import Engine
+    from staticlm.runtime.generate.text_stream import GenerationParams
     from staticlm.runtime.model import open_tokenizer
-    from staticlm.runtime.speculative import Speculator
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.speculative.drafters import PromptLookupDrafter
+    from staticlm.runtime.speculative.speculative import Speculator
 
     family = cpu_families[name]
     prompt = np.random.default_rng(5).integers(0, 256, 11)

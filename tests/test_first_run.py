@@ -13,8 +13,8 @@ import pytest
 from staticlm.apps import cli, models
 from staticlm.apps.home import default_model_dir
 from staticlm.runtime.chat import ChatFormat
-from staticlm.runtime.chat_template import Message
 from staticlm.runtime.model import chat_format
+from staticlm.runtime.text.chat_template import Message
 
 
 def staticlm(*args, timeout=300, env=None):

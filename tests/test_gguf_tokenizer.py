@@ -17,9 +17,9 @@ from staticlm.export.sources.gguf_file import GGUFFile
 from staticlm.export.sources.gguf_tokenizer import GGUFTokenizer, build_tokenizer
 from staticlm.export.sources.model import ModelSourceError
 from staticlm.runtime.chat import ChatFormat
-from staticlm.runtime.chat_template import Message
-from staticlm.runtime.detokenizer import StreamDecoder
-from staticlm.runtime.tokenizer import Tokenizer
+from staticlm.runtime.text.chat_template import Message
+from staticlm.runtime.text.detokenizer import StreamDecoder
+from staticlm.runtime.text.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from conftest import model_of
 
-from staticlm.runtime.device import Device, DeviceOptions
-from staticlm.runtime.drafters import PromptLookupDrafter
-from staticlm.runtime.engine import Engine, EngineOptions
-from staticlm.runtime.sequence_request import Finished, SequenceRequest
-from staticlm.runtime.speculative import Speculator
-from staticlm.runtime.text_stream import GenerationParams
+from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.generate.sequence_request import Finished, SequenceRequest
+from staticlm.runtime.generate.text_stream import GenerationParams
+from staticlm.runtime.session.device import Device, DeviceOptions
+from staticlm.runtime.speculative.drafters import PromptLookupDrafter
+from staticlm.runtime.speculative.speculative import Speculator
 
 pytestmark = pytest.mark.slow
 

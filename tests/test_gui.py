@@ -19,7 +19,7 @@ from PySide6.QtCore import Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
 from staticlm.kv_manager import Overflow  # noqa: E402
-from staticlm.runtime.device import Device  # noqa: E402
+from staticlm.runtime.session.device import Device  # noqa: E402
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 LOAD_TIMEOUT_MS = 120_000

@@ -17,9 +17,9 @@ from test_cli_errors import assert_one_line_error, staticlm
 
 from staticlm.export.family import ExportOptions, export_family
 from staticlm.export.htp.options import QuantOptions
-from staticlm.runtime.device import Device, DeviceOptions
-from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.family.quant_params import KVBits, Quant
+from staticlm.runtime.session.device import Device, DeviceOptions
 
 CPU = DeviceOptions(device=Device.CPU, num_threads=2)
 HTP = DeviceOptions(device=Device.HTP)
@@ -474,8 +474,8 @@ def test_compile_gives_each_layer_group_of_a_family_with_parts_its_own_context(t
     """`export --parts N` is what a model over one HTP context needs: each layer group's parts of every graph
     compile into a context of their own (and a family over the limit compiles only those)."""
     from staticlm.export.parts import add_parts
-    from staticlm.runtime import device
     from staticlm.runtime.family.manifest import load_manifest
+    from staticlm.runtime.session import device
 
     directory = _htp_copy(tiny_q16, tmp_path)
     add_parts(directory, 2)

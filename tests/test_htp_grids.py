@@ -24,7 +24,7 @@ from test_htp import CPU, HTP, _htp_copy
 
 from staticlm.export.family import ExportOptions, export_family
 from staticlm.export.htp.options import QuantOptions
-from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.family.quant_params import Quant
 
 # layer -> GGUF tensor kind -> type. Layer 0's gate_up joins Q6_K (blocks of 16, symmetric) with Q4_1 (32, minima).

@@ -19,12 +19,12 @@ from test_cli_errors import assert_one_line_error, staticlm
 
 from staticlm.export.family import ExportError, ExportOptions
 from staticlm.export.parts import PartTooLarge, add_parts, auto_groups, groups_by_bytes, weight_bytes_by_layer
-from staticlm.runtime.device import DeviceOptions
-from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.engine.parts import ChainRunner
 from staticlm.runtime.family.manifest import load_manifest
 from staticlm.runtime.family.quant_params import Quant
 from staticlm.runtime.family.weights import external_bytes
-from staticlm.runtime.parts import ChainRunner
+from staticlm.runtime.session.device import DeviceOptions
 
 CPU = DeviceOptions(device="cpu", num_threads=2)
 PROMPT = np.random.default_rng(3).integers(0, 256, 21)
@@ -130,7 +130,7 @@ def test_compile_reports_each_contexts_weight_bytes_against_the_limit(tiny_w4_fa
     """What `staticlm compile` prints per context: the bytes each part's graphs read (one copy per context), over
     or within the SoC's limit."""
     from staticlm.apps.commands.compile import context_report
-    from staticlm.runtime import device
+    from staticlm.runtime.session import device
 
     family = tmp_path / "family"
     shutil.copytree(tiny_w4_family, family)

@@ -33,7 +33,7 @@ def test_one_kv_head_exports_to_htp_and_agrees_with_transformers(one_kv_head, tm
     from staticlm.export.htp.family import export_quantized_family
     from staticlm.export.htp.options import QuantOptions
     from staticlm.export.sources import load_model
-    from staticlm.runtime.engine import Engine
+    from staticlm.runtime.engine.engine import Engine
 
     model, hf_dir = one_kv_head
     out = tmp_path / "family"

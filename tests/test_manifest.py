@@ -9,7 +9,7 @@ import pytest
 from test_cli_errors import assert_one_line_error, staticlm
 
 from staticlm.export.parts import add_parts
-from staticlm.runtime.device import context_groups
+from staticlm.runtime.engine.parts import NoParts, part_entries, part_layers
 from staticlm.runtime.family.manifest import (
     MANIFEST_NAME,
     READABLE_VERSIONS,
@@ -17,7 +17,7 @@ from staticlm.runtime.family.manifest import (
     ManifestError,
     load_manifest,
 )
-from staticlm.runtime.parts import NoParts, part_entries, part_layers
+from staticlm.runtime.session.device import context_groups
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staticlm.errors import InvalidOption
-from staticlm.runtime.sampling import SamplingParams, adjusted_logits, sample
+from staticlm.runtime.generate.sampling import SamplingParams, adjusted_logits, sample
 
 VOCAB = 12
 

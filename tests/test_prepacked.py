@@ -10,9 +10,9 @@ import onnxruntime as ort
 import pytest
 from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
 
-from staticlm.runtime.device import Device, DeviceOptions
-from staticlm.runtime.engine import Engine, EngineOptions
-from staticlm.runtime.prepacked import PACKED_FILE, packed_bytes, store_dir
+from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.session.device import Device, DeviceOptions
+from staticlm.runtime.session.prepacked import PACKED_FILE, packed_bytes, store_dir
 
 CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
 
@@ -120,8 +120,8 @@ def test_a_machine_short_of_memory_is_told_before_any_session(families, monkeypa
     import psutil
 
     from staticlm.errors import UserError
-    from staticlm.runtime.device import create_session  # noqa: F401 -- must not be reached
     from staticlm.runtime.family.manifest import load_manifest
+    from staticlm.runtime.session.device import create_session  # noqa: F401 -- must not be reached
 
     class Small:
         available = 1000

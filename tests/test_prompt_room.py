@@ -1,11 +1,11 @@
-"""The prompt-room rule (runtime/prompt_room.py): what a prompt longer than the context is cut to."""
+"""The prompt-room rule (runtime/text/prompt_room.py): what a prompt longer than the context is cut to."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from staticlm.runtime.prompt_room import max_prompt_tokens
+from staticlm.runtime.text.prompt_room import max_prompt_tokens
 
 
 @pytest.mark.parametrize(("max_context", "max_new_tokens", "expected"), [

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 from staticlm.apps import cli  # noqa: E402
 from staticlm.errors import InvalidOption  # noqa: E402
-from staticlm.runtime.generator import Generator  # noqa: E402
+from staticlm.runtime.generate.generator import Generator  # noqa: E402
 from staticlm.runtime.model import Model  # noqa: E402
 from staticlm.runtime.options import RunOptions, flag, run_option_fields  # noqa: E402
 

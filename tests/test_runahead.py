@@ -1,4 +1,4 @@
-"""Layer-group parts (export/parts.py) and KV-Runahead's parallel prefill (runtime/runahead.py, seed 003).
+"""Layer-group parts (export/parts.py) and KV-Runahead's parallel prefill (runtime/engine/runahead.py, seed 003).
 
 References: the family's own whole graphs (each part is cut out of one, so the chain must reproduce it), and the
 ordinary single-worker prefill for the KV cache the workers fill; brute force for the partition searches.
@@ -16,17 +16,17 @@ import pytest
 from conftest import graph_path
 
 from staticlm.errors import UserError
-from staticlm.runtime.device import DeviceOptions
-from staticlm.runtime.engine import Engine, EngineOptions
-from staticlm.runtime.partition import (
+from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.engine.partition import (
     PartitionTable,
     binary_search_split,
     grid_search,
     modeled_ttft,
     sizes_from_fractions,
 )
-from staticlm.runtime.parts import ChainRunner
-from staticlm.runtime.runahead import RowSync
+from staticlm.runtime.engine.parts import ChainRunner
+from staticlm.runtime.engine.runahead import RowSync
+from staticlm.runtime.session.device import DeviceOptions
 
 CONTEXT, PREFILL = 128, 8
 PROMPT = np.random.default_rng(7).integers(0, 256, 57)  # 57 rows: 7 prompt-graph chunks and a ragged one
@@ -294,8 +294,8 @@ def test_partition_table_interpolates_between_context_lengths_and_round_trips(tm
 
 def test_export_command_writes_parts_and_refuses_more_parts_than_layers(tiny_hf_dir, tmp_path):
     from staticlm.apps.commands.export import run_export
+    from staticlm.runtime.engine.parts import part_layers
     from staticlm.runtime.family.manifest import load_manifest
-    from staticlm.runtime.parts import part_layers
 
     common = {"model": str(tiny_hf_dir), "contexts": "64", "prefill_len": 8, "verify_lens": "4",
               "batch_sizes": "none", "quiet": True}

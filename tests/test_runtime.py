@@ -11,11 +11,11 @@ from conftest import model_of
 from reference import hf_greedy
 
 from staticlm.kv_manager import Strategy
-from staticlm.runtime.device import Device, DeviceOptions
-from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.model import Model, open_tokenizer
 from staticlm.runtime.options import RunOptions
-from staticlm.runtime.text_stream import GenerationParams
+from staticlm.runtime.session.device import Device, DeviceOptions
 
 CPU = DeviceOptions(device=Device.CPU, num_threads=2)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -56,7 +56,7 @@ def plain_ids(family, text: str) -> list[int]:
 
 def chat_ids(family, text: str) -> list[int]:
     session = open_chat(engine_for(family))
-    from staticlm.runtime.chat_template import Message
+    from staticlm.runtime.text.chat_template import Message
 
     return session.prompt_ids([Message(role="user", content=text)])
 
@@ -112,8 +112,8 @@ def test_htp_on_a_family_it_cannot_run_is_refused_before_any_session(tiny_family
 
 
 def test_auto_device_picks_htp_only_for_a_family_htp_runs(tiny_family, monkeypatch):
-    from staticlm.runtime import device
     from staticlm.runtime.family.manifest import load_manifest
+    from staticlm.runtime.session import device
 
     float_family = load_manifest(tiny_family)
     htp_family = dataclasses.replace(float_family, quantization={"quant": "w8a16"})

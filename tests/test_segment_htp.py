@@ -17,7 +17,7 @@ from conftest import TINY_CONTEXTS, TINY_PREFILL
 from test_htp import CPU, HTP, TEXT, _htp_copy, file_boundary
 
 from staticlm.export.htp.qdq import SIGNED_OPERAND
-from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.family.contract import Role
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
 from staticlm.runtime.family.quant_params import KVBits, Quant
@@ -88,7 +88,7 @@ def test_segmented_graphs_bind_the_single_graphs_kv_as_it_is(families):
 def _teacher_forced(family: Path, streams: np.ndarray):
     """The segmented engine and 4 single-sequence engines over the same tokens; their logits [steps, B, V] and the
     response rows they wrote [B, T, n, D]."""
-    from staticlm.runtime.segment_engine import SegmentEngine
+    from staticlm.runtime.engine.segment_engine import SegmentEngine
 
     prompt = IDS[:NUM_PROMPT]
     source = _engine(family)
@@ -131,8 +131,8 @@ def test_greedy_responses_equal_single_runs(families):
     # --num-responses 4 with shared prompt KV on the HTP family: every response is the single run's.
     from test_segment_kv import _batch_generate, _single_tokens, _varied_greedy
 
-    from staticlm.runtime.segment_engine import SegmentEngine
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.engine.segment_engine import SegmentEngine
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     family = families["kv16"]
     ids = list(IDS[:9])
@@ -183,7 +183,7 @@ def test_htp_emulator_runs_a_segmented_graph(families, tmp_path):
     """The whole path on the HTP emulator (CPU fallback disabled): the prompt prefilled there, then segmented decode
     steps; logits and the response rows against the CPU EP's. Measured: logits within 16 steps, response rows
     within 113 of 65535 (test_htp's bounds for the single graphs: 64 and 256)."""
-    from staticlm.runtime.segment_engine import SegmentEngine
+    from staticlm.runtime.engine.segment_engine import SegmentEngine
 
     directory = _htp_copy(families["kv16"], tmp_path)
     streams = np.stack([IDS[NUM_PROMPT + 5 * b:NUM_PROMPT + 5 * b + 6] for b in range(4)])
@@ -214,8 +214,8 @@ def test_float_segmented_graph_equals_each_sequence_alone(arch, tmp_path):
     from staticlm.export.family import ExportOptions, export_family
     from staticlm.export.htp.segment_graph import FamilyWeights, HTPSegmentGraph
     from staticlm.export.sources import load_model
+    from staticlm.runtime.engine.rope import RopeTable
     from staticlm.runtime.family.contract import GraphShape
-    from staticlm.runtime.rope import RopeTable
 
     tiny_archs.build(arch, tmp_path / "hf")
     family = tmp_path / "family"
@@ -269,8 +269,8 @@ def test_bass_runs_on_the_segmented_verify_graphs(families):
     # to 3 tokens) accept drafts, and every response is still the plain greedy single run's.
     from test_segment_kv import _batch_generate, _single_tokens
 
+    from staticlm.runtime.generate.text_stream import GenerationParams
     from staticlm.runtime.model import open_tokenizer
-    from staticlm.runtime.text_stream import GenerationParams
 
     family = families["kv16"]
     assert {g.shape.ar for g in load_manifest(family).graphs_of(GraphKind.SEGMENT, batch=4)} == {1, 4}

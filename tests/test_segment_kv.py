@@ -94,8 +94,8 @@ def test_segmented_graphs_read_both_segments_in_place(families):
 
 
 def _engine(family: Path):
-    from staticlm.runtime.device import Device, DeviceOptions
-    from staticlm.runtime.engine import Engine, EngineOptions
+    from staticlm.runtime.engine.engine import Engine, EngineOptions
+    from staticlm.runtime.session.device import Device, DeviceOptions
 
     return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2)))
 
@@ -104,7 +104,7 @@ def _engine(family: Path):
 def test_segmented_steps_match_single_sequence_runs(families, name):
     # Decode steps across two 16-row rungs of the response ladder, a verify step, then ragged commits: every
     # sequence's logits equal the same tokens scored alone (the prompt in its own cache, no batch at all).
-    from staticlm.runtime.segment_engine import SegmentEngine
+    from staticlm.runtime.engine.segment_engine import SegmentEngine
 
     family = families[name]
     prompt = np.random.default_rng(5).integers(0, 256, 11)
@@ -159,9 +159,9 @@ def _through_the_protocol(engine, source, streams: np.ndarray) -> list[np.ndarra
 def test_both_batched_engines_are_batch_engines_that_answer_alike(families):
     # The batched Engine (a copy of the prompt per row) and SegmentEngine (the prompt read in place) driven through
     # BatchEngine alone give the same logits, and the last step's equal each sequence's tokens scored alone.
-    from staticlm.runtime.batch_engine import BatchEngine
-    from staticlm.runtime.engine import Engine
-    from staticlm.runtime.segment_engine import SegmentEngine
+    from staticlm.runtime.engine.batch_engine import BatchEngine
+    from staticlm.runtime.engine.engine import Engine
+    from staticlm.runtime.engine.segment_engine import SegmentEngine
 
     family = families["gqa"]
     prompt = np.random.default_rng(10).integers(0, 256, 11)
@@ -193,7 +193,7 @@ def test_both_batched_engines_are_batch_engines_that_answer_alike(families):
 
 
 def _varied_greedy():
-    from staticlm.runtime.sampling import SamplingParams
+    from staticlm.runtime.generate.sampling import SamplingParams
 
     # greedy; the tiny random model repeats one token forever unless repeating is penalized hard
     return SamplingParams(temperature=0.0, repetition_penalty=10.0)
@@ -204,10 +204,10 @@ def _batch_generate(family: Path, ids: list[int], params, *, segments: bool, num
     """The generation loop's rows of one kind, and the answers it gave (with BASS over lookup drafts)."""
     from conftest import model_of
 
-    from staticlm.runtime.batch_speculative import BatchSpeculator
-    from staticlm.runtime.drafters import PromptLookupDrafter
-    from staticlm.runtime.drive import generate_many
-    from staticlm.runtime.loop import GenerationLoop
+    from staticlm.runtime.generate.drive import generate_many
+    from staticlm.runtime.generate.loop import GenerationLoop
+    from staticlm.runtime.speculative.batch_speculative import BatchSpeculator
+    from staticlm.runtime.speculative.drafters import PromptLookupDrafter
 
     loop = GenerationLoop(model_of(_engine(family)), rows="segments" if segments else "copies", eager=True)
     assert loop.rows.kind == ("segments" if segments else "copies")
@@ -225,8 +225,8 @@ def _single_tokens(family: Path, ids: list[int], params) -> list[int]:
 @pytest.mark.parametrize("num_responses", [4, 2])
 def test_greedy_responses_equal_single_runs(families, num_responses):
     # n = 2 runs on the batch-4 export, its two spare rows inactive.
-    from staticlm.runtime.segment_engine import SegmentEngine
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.engine.segment_engine import SegmentEngine
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     family = families["gqa"]
     ids = list(np.random.default_rng(8).integers(0, 256, 9))
@@ -239,8 +239,8 @@ def test_greedy_responses_equal_single_runs(families, num_responses):
 
 
 def test_seeded_sampled_responses_equal_the_copy_based_path(families):
-    from staticlm.runtime.sampling import SamplingParams
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.sampling import SamplingParams
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     family = families["windows"]
     ids = list(np.random.default_rng(9).integers(0, 256, 10))
@@ -254,8 +254,8 @@ def test_seeded_sampled_responses_equal_the_copy_based_path(families):
 
 
 def test_bass_runs_on_segmented_verify_graphs(families):
+    from staticlm.runtime.generate.text_stream import GenerationParams
     from staticlm.runtime.model import open_tokenizer
-    from staticlm.runtime.text_stream import GenerationParams
 
     family = families["gqa"]
     ids = open_tokenizer(family).encode("abcabcabcabc abcabc", add_special_tokens=False)

@@ -48,14 +48,14 @@ def reference(tiny_chat_family):
 
 
 def greedy_reference(model, ids: list[int], max_new: int, **params):
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     model.generator.reset()  # no prompt cache in the reference: every prefill from scratch
     return model.generate(ids, GenerationParams(max_new_tokens=max_new, **params))
 
 
 def chat_ids(model, text: str, system: str | None = None) -> list[int]:
-    from staticlm.runtime.chat_template import Message
+    from staticlm.runtime.text.chat_template import Message
 
     return model.format.prompt_ids([Message(role="user", content=text)], system_prompt=system)
 
@@ -168,7 +168,7 @@ def test_a_conversation_reuses_its_cached_prefix_and_answers_as_without_it(clien
     second = client.chat.completions.create(messages=history, **ask)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens  # the first prompt at least (and the answer's cached rows)
-    from staticlm.runtime.chat_template import Message
+    from staticlm.runtime.text.chat_template import Message
 
     ids = reference.format.prompt_ids([Message(**m) for m in history])
     assert second.usage.prompt_tokens == len(ids)

@@ -44,8 +44,8 @@ def reference(tiny_chat_family):
 
 
 def _greedy_text(model, text: str, system: str | None = None) -> str:
-    from staticlm.runtime.chat_template import Message
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.text_stream import GenerationParams
+    from staticlm.runtime.text.chat_template import Message
 
     ids = model.format.prompt_ids([Message(role="user", content=text)], system_prompt=system)
     model.generator.reset()

@@ -76,13 +76,13 @@ def reference(thinking_family):
 
 
 def _prompt(model, text: str, **template_kwargs) -> list[int]:
-    from staticlm.runtime.chat_template import Message
+    from staticlm.runtime.text.chat_template import Message
 
     return model.format.prompt_ids([Message(role="user", content=text)], template_kwargs=template_kwargs or None)
 
 
 def _greedy(model, ids: list[int], n: int) -> list[int]:
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     model.generator.reset()
     return list(model.generate(ids, GenerationParams(max_new_tokens=n, ignore_eos=True)).token_ids)

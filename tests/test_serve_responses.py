@@ -44,8 +44,8 @@ def reference(tiny_chat_family):
 
 
 def test_text_streamed_and_not_equals_the_generator(client, model, reference):
-    from staticlm.runtime.chat_template import Message
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.text_stream import GenerationParams
+    from staticlm.runtime.text.chat_template import Message
 
     ids = reference.format.prompt_ids([Message(role="user", content="abc abd")], system_prompt="Be brief.")
     reference.generator.reset()

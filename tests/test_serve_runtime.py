@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import KVSpec, Overflow, Strategy, make_kv_cache
-from staticlm.runtime.prompt_cache import PromptCache
-from staticlm.runtime.scheduler import QueueFull, RowScheduler
+from staticlm.runtime.generate.prompt_cache import PromptCache
+from staticlm.runtime.generate.scheduler import QueueFull, RowScheduler
 
 
 # -- bookkeeping ----------------------------------------------------------------------------------------------
@@ -121,8 +121,8 @@ def _open(family: Path):
 
 @pytest.mark.parametrize("layout", ["windows", "in_place"])
 def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, tiny_chat_family, in_place_family):
-    from staticlm.runtime.sequence_request import Admitted, Finished, SequenceRequest
-    from staticlm.runtime.text_stream import FinishReason, GenerationParams
+    from staticlm.runtime.generate.sequence_request import Admitted, Finished, SequenceRequest
+    from staticlm.runtime.generate.text_stream import FinishReason, GenerationParams
 
     family = tiny_chat_family if layout == "windows" else in_place_family
     reference, served = _open(family), _open(family)
@@ -160,8 +160,8 @@ def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, 
 
 
 def test_a_request_that_breaks_fails_alone_and_the_others_finish(tiny_chat_family):
-    from staticlm.runtime.sequence_request import Failed, Finished, SequenceRequest
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.sequence_request import Failed, Finished, SequenceRequest
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     class Breaks:  # a constraint that allows anything, then fails on its third token
         num = 0
@@ -208,8 +208,8 @@ def test_a_bug_is_a_bare_500_for_the_client_and_a_traceback_on_the_servers_stder
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_other_rows_decode(in_place_family):
-    from staticlm.runtime.sequence_request import Admitted, Delta, Finished, SequenceRequest
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.sequence_request import Admitted, Delta, Finished, SequenceRequest
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     reference, served = _open(in_place_family), _open(in_place_family)
     tok = reference.tokenizer
@@ -241,7 +241,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_other_rows_decode
 
 def test_logprobs_and_grammars_run_on_the_single_path(in_place_family):
     # a single `generate` is a caller of the same loop as the server: what a request may ask, it may ask here
-    from staticlm.runtime.text_stream import GenerationParams
+    from staticlm.runtime.generate.text_stream import GenerationParams
 
     model = _open(in_place_family)
     ids = model.tokenizer.encode("The cat", add_special_tokens=False)

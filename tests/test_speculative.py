@@ -7,14 +7,14 @@ import torch
 from conftest import model_of
 from reference import hf_greedy
 
-from staticlm.runtime.device import Device, DeviceOptions
-from staticlm.runtime.drafters import DraftModelDrafter, PromptLookupDrafter
-from staticlm.runtime.engine import Engine, EngineOptions
+from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.generate.sampling import SamplingParams
+from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.model import open_tokenizer
-from staticlm.runtime.sampling import SamplingParams
-from staticlm.runtime.speculation_policy import DraftLength, SpeculationPolicy
-from staticlm.runtime.speculative import Speculator
-from staticlm.runtime.text_stream import GenerationParams
+from staticlm.runtime.session.device import Device, DeviceOptions
+from staticlm.runtime.speculative.drafters import DraftModelDrafter, PromptLookupDrafter
+from staticlm.runtime.speculative.speculation_policy import DraftLength, SpeculationPolicy
+from staticlm.runtime.speculative.speculative import Speculator
 
 CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
 REWRITE = ("Copy this sentence exactly, then copy it again: the quick brown fox jumps over the lazy dog "
@@ -59,7 +59,7 @@ def test_draft_length_follows_bass_algorithm_1():
 
 
 def test_draft_length_maps_onto_the_exported_verify_graphs():
-    from staticlm.runtime.speculation_policy import fit_to_verify_graphs
+    from staticlm.runtime.speculative.speculation_policy import fit_to_verify_graphs
 
     lens = (4, 8, 16)
     assert [fit_to_verify_graphs(n, lens) for n in (1, 2, 3, 6, 7, 9, 14, 15, 32)] == [1, 2, 3, 3, 7, 7, 7, 15, 15]
@@ -70,7 +70,7 @@ def test_draft_length_maps_onto_the_exported_verify_graphs():
 
 
 def test_acceptance_profile_counts_runs_and_the_length_follows_the_measured_costs():
-    from staticlm.runtime.speculation_policy import AcceptanceProfile, cost_aware_length
+    from staticlm.runtime.speculative.speculation_policy import AcceptanceProfile, cost_aware_length
 
     runs = AcceptanceProfile(decay=1.0)
     for _ in range(20):  # drafts right for a run of 7 or wrong from the first token, half the time each
@@ -162,8 +162,8 @@ def test_tiny_speculative_sampling_matches_the_target_distribution(tiny_chat_fam
 @pytest.mark.slow
 def test_smollm2_greedy_lookup_identical_and_fewer_steps(smollm2_family):
     tokenizer = open_tokenizer(smollm2_family)
-    from staticlm.runtime.chat_template import render_chat
     from staticlm.runtime.family.manifest import load_manifest
+    from staticlm.runtime.text.chat_template import render_chat
 
     template = load_manifest(smollm2_family).chat_template
     ids = tokenizer.encode(render_chat(template, [{"role": "user", "content": REWRITE}], add_generation_prompt=True),
@@ -190,7 +190,7 @@ class _NoiseDrafter:
 def test_tiny_batched_speculation_with_ragged_acceptance_equals_transformers(tiny_chat_family, tiny_draft_family,
                                                                               tiny_hf_model):
     """BASS-PAD: four sequences of different lengths draft, verify in one call, accept their own counts."""
-    from staticlm.runtime.batch_speculative import BatchSpeculator
+    from staticlm.runtime.speculative.batch_speculative import BatchSpeculator
 
     tok = open_tokenizer(tiny_chat_family)
     prompt = tok.encode("abcabcabc abcabc", add_special_tokens=False)
@@ -279,7 +279,7 @@ class _VerifyOnlyEngine:
 
 def test_batched_speculation_decides_with_the_per_sequence_profile():
     """One sequence's drafts always right, three always wrong: the batch's mean yield, not its best, decides."""
-    from staticlm.runtime.batch_speculative import BatchSpeculator
+    from staticlm.runtime.speculative.batch_speculative import BatchSpeculator
 
     drafters = [_ConstantDrafter(5), _ConstantDrafter(9), _ConstantDrafter(9), _ConstantDrafter(9)]
     speculator = BatchSpeculator(drafters, length=DraftLength(initial=3), probe_every=4)
@@ -317,8 +317,8 @@ def test_batched_speculation_decides_with_the_per_sequence_profile():
 
 
 def test_tiny_ragged_verify_rows_are_padded_with_the_last_real_token(tiny_chat_family):
-    """Rows past a sequence's own draft repeat its last real token: never id 0 (see runtime/engine.py `_run`)."""
-    from staticlm.runtime.batch_speculative import BatchSpeculator
+    """Rows past a sequence's own draft repeat its last real token: never id 0 (see runtime/engine/engine.py `_run`)."""
+    from staticlm.runtime.speculative.batch_speculative import BatchSpeculator
 
     prompt = open_tokenizer(tiny_chat_family).encode("abcabc", add_special_tokens=False)
     single = Engine(tiny_chat_family, options=CPU)

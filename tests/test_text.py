@@ -14,9 +14,9 @@ from conftest import CHATML, TINY_SPECIALS, tiny_tokenizer_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from staticlm.runtime.chat_template import DEFAULT_CHATML, ChatTemplateError, Message, render_chat
-from staticlm.runtime.sampling import SamplingParams, distribution, greedy, sample
-from staticlm.runtime.stopping import StopStringMatcher
+from staticlm.runtime.generate.sampling import SamplingParams, distribution, greedy, sample
+from staticlm.runtime.text.chat_template import DEFAULT_CHATML, ChatTemplateError, Message, render_chat
+from staticlm.runtime.text.stopping import StopStringMatcher
 
 BOS, EOS = 259, 258  # "<s>" and "<|im_end|>" in the tiny tokenizer
 
@@ -75,13 +75,13 @@ def _raw_sentencepiece_style():
 
 
 def _wrap(raw, **kwargs):
-    from staticlm.runtime.tokenizer import Tokenizer
+    from staticlm.runtime.text.tokenizer import Tokenizer
 
     return Tokenizer(raw, **{"bos_token_id": None, "eos_token_ids": (), **kwargs})
 
 
 def _stream(tokenizer, ids) -> list[str]:
-    from staticlm.runtime.detokenizer import StreamDecoder
+    from staticlm.runtime.text.detokenizer import StreamDecoder
 
     decoder = StreamDecoder(tokenizer)
     return [decoder.push(i) for i in ids] + [decoder.flush()]
@@ -174,7 +174,7 @@ def test_stream_decoder_goes_on_when_shown_text_turns_invalid():
 
 # ---------------------------------------------------------------------------------------------- text stream
 def _text_stream(**kwargs):
-    from staticlm.runtime.text_stream import GenerationParams, TextStream
+    from staticlm.runtime.generate.text_stream import GenerationParams, TextStream
 
     tokenizer = _wrap(_raw_byte_level(), eos_token_ids=(EOS,))
     return TextStream(tokenizer, GenerationParams(**{"max_new_tokens": 50, **kwargs}))
@@ -194,7 +194,7 @@ def _push_all(stream, ids) -> list[str]:
 
 
 def test_text_stream_ends_at_eos_and_flushes_what_was_held():
-    from staticlm.runtime.text_stream import FinishReason
+    from staticlm.runtime.generate.text_stream import FinishReason
 
     stream = _text_stream(stop_strings=("é!",))
     ids = _bytes_of("hi é") + [EOS] + _bytes_of("never")
@@ -211,7 +211,7 @@ def test_text_stream_ends_at_eos_and_flushes_what_was_held():
 
 
 def test_text_stream_cuts_at_a_stop_string_and_stops_at_the_length_limit():
-    from staticlm.runtime.text_stream import FinishReason
+    from staticlm.runtime.generate.text_stream import FinishReason
 
     stopped = _text_stream(stop_strings=("</s>",))
     _push_all(stopped, _bytes_of("one</s>two"))
@@ -224,7 +224,7 @@ def test_text_stream_cuts_at_a_stop_string_and_stops_at_the_length_limit():
 
 
 def test_text_stream_cancel_shows_the_held_back_text():
-    from staticlm.runtime.text_stream import FinishReason
+    from staticlm.runtime.generate.text_stream import FinishReason
 
     stream = _text_stream(stop_strings=("ab",))
     assert _push_all(stream, _bytes_of("xa")) == ["x", ""]
@@ -235,10 +235,10 @@ def test_text_stream_cancel_shows_the_held_back_text():
 def test_tiny_single_and_batched_generation_show_the_same_text(tiny_chat_family):
     from conftest import model_of
 
-    from staticlm.runtime.device import Device, DeviceOptions
-    from staticlm.runtime.engine import Engine, EngineOptions
+    from staticlm.runtime.engine.engine import Engine, EngineOptions
+    from staticlm.runtime.generate.text_stream import FinishReason, GenerationParams
     from staticlm.runtime.model import open_tokenizer
-    from staticlm.runtime.text_stream import FinishReason, GenerationParams
+    from staticlm.runtime.session.device import Device, DeviceOptions
 
     cpu = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
     tokenizer = open_tokenizer(tiny_chat_family)
@@ -454,7 +454,7 @@ def test_invalid_sampling_params_raise(kwargs, option):
 
 # ---------------------------------------------------------------------------------------------- tokenizer
 def test_tokenizer_bos_and_specials(tmp_path):
-    from staticlm.runtime.tokenizer import Tokenizer
+    from staticlm.runtime.text.tokenizer import Tokenizer
 
     path = tmp_path / "tokenizer.json"
     path.write_text(tiny_tokenizer_json())
@@ -481,7 +481,7 @@ def test_tokenizer_does_not_double_a_post_processor_bos():
 
 
 def test_tokenizer_file_errors_are_one_line(tmp_path):
-    from staticlm.runtime.tokenizer import Tokenizer
+    from staticlm.runtime.text.tokenizer import Tokenizer
 
     with pytest.raises(ValueError, match="not found"):
         Tokenizer.from_file(tmp_path / "missing.json", bos_token_id=None, eos_token_ids=[])
@@ -629,7 +629,7 @@ def test_chat_format_tools_need_a_template():
     from tokenizers import Tokenizer as HF
 
     from staticlm.runtime.chat import ChatFormat
-    from staticlm.runtime.tokenizer import Tokenizer
+    from staticlm.runtime.text.tokenizer import Tokenizer
 
     tok = Tokenizer(HF.from_str(tiny_tokenizer_json()), bos_token_id=BOS, eos_token_ids=[EOS])
     plain = ChatFormat(tokenizer=tok, chat_template=None, bos_token=None, eos_token=None)
@@ -646,7 +646,7 @@ def test_fitted_prompt_keeps_the_leading_system_message_and_the_tools():
     from tokenizers import Tokenizer as HF
 
     from staticlm.runtime.chat import ChatFormat
-    from staticlm.runtime.tokenizer import Tokenizer
+    from staticlm.runtime.text.tokenizer import Tokenizer
 
     tok = Tokenizer(HF.from_str(tiny_tokenizer_json()), bos_token_id=BOS, eos_token_ids=[EOS])
     template = "{% if tools %}T{{ tools | length }}|{% endif %}" + CHATML

@@ -8,9 +8,9 @@ from enum import Enum
 from pathlib import Path
 
 from staticlm.errors import UserError
-from staticlm.runtime.device import Device
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
+from staticlm.runtime.session.device import Device
 
 DEFAULT_CONTEXTS = (128, 512, 1024, 2048)
 DEFAULT_PROMPT_LEN = 1000

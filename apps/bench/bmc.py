@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from staticlm.kv_manager.sizing import choose_bmc_r
+from staticlm.runtime.engine.ladder import HostRates, save_rates
 from staticlm.runtime.family.manifest import load_manifest
-from staticlm.runtime.ladder import HostRates, save_rates
 
 from .base import BenchContext, Row
 

@@ -4,7 +4,7 @@ partition against an even split, and the seed's model projected to 4 and 8 worke
 The family: the bench's model when it keeps its KV in place, has layer-group parts and holds the longest prompt;
 else the default model's cpu family exported once with --parts into the staticlm cache. The searched 2-worker
 partition of each prompt length (binary search on measured TTFT) and the model's grid-searched 3, 4 and 8-worker
-ones go into the partition table beside the BMC host measurements (runtime/partition.py), which
+ones go into the partition table beside the BMC host measurements (runtime/engine/partition.py), which
 `--prefill-workers N` interpolates.
 """
 from __future__ import annotations
@@ -18,20 +18,20 @@ import numpy as np
 
 from staticlm.apps.commands.export import run_export
 from staticlm.apps.home import DEFAULT_MODEL
-from staticlm.runtime.device import Device, DeviceOptions
-from staticlm.runtime.engine import Engine, EngineOptions
-from staticlm.runtime.family.contract import KVLayout
-from staticlm.runtime.family.manifest import load_manifest
-from staticlm.runtime.ladder import cache_path
-from staticlm.runtime.partition import (
+from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.engine.ladder import cache_path
+from staticlm.runtime.engine.partition import (
     PartitionTable,
     binary_search_split,
     even_sizes,
     grid_search,
     modeled_ttft,
 )
-from staticlm.runtime.parts import part_layers
-from staticlm.runtime.runahead import RowSync
+from staticlm.runtime.engine.parts import part_layers
+from staticlm.runtime.engine.runahead import RowSync
+from staticlm.runtime.family.contract import KVLayout
+from staticlm.runtime.family.manifest import load_manifest
+from staticlm.runtime.session.device import Device, DeviceOptions
 
 from .base import BenchContext, Row
 

@@ -14,13 +14,13 @@ import time
 import numpy as np
 
 from staticlm.kv_manager.segments import copied_kv_rows, segment_kv_rows, token_bytes
-from staticlm.runtime.drive import generate_many
-from staticlm.runtime.engine import Engine
+from staticlm.runtime.engine.engine import Engine
+from staticlm.runtime.engine.segment_engine import SegmentEngine
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
-from staticlm.runtime.loop import GenerationLoop
-from staticlm.runtime.sampling import SamplingParams
-from staticlm.runtime.segment_engine import SegmentEngine
-from staticlm.runtime.text_stream import GenerationParams
+from staticlm.runtime.generate.drive import generate_many
+from staticlm.runtime.generate.loop import GenerationLoop
+from staticlm.runtime.generate.sampling import SamplingParams
+from staticlm.runtime.generate.text_stream import GenerationParams
 
 from .base import BenchContext, Row
 

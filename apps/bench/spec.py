@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from staticlm.runtime.chat_template import Message
-from staticlm.runtime.engine import StepCounters
+from staticlm.runtime.engine.engine import StepCounters
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
+from staticlm.runtime.generate.sampling import SamplingParams
+from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.model import Model
-from staticlm.runtime.sampling import SamplingParams
-from staticlm.runtime.text_stream import GenerationParams
-from staticlm.runtime.tokenizer import Tokenizer
+from staticlm.runtime.text.chat_template import Message
+from staticlm.runtime.text.tokenizer import Tokenizer
 
 from .base import BenchContext, Row
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from staticlm.export.sources import default_gguf_path
 from staticlm.runtime.family.manifest import load_manifest
-from staticlm.runtime.prompt_cache import common_prefix
+from staticlm.runtime.generate.prompt_cache import common_prefix
 
 from .base import BenchContext, Row
 from .peers import PeerModel, PeerUnavailable, prepare, run_worker

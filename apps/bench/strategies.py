@@ -13,9 +13,9 @@ import time
 import numpy as np
 
 from staticlm.kv_manager import Strategy
+from staticlm.runtime.engine.ladder import ladder_step, load_rates
 from staticlm.runtime.family.contract import KVLayout
 from staticlm.runtime.family.manifest import load_manifest
-from staticlm.runtime.ladder import ladder_step, load_rates
 
 from .base import BenchContext, BenchError, Row
 

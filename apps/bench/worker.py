@@ -85,8 +85,8 @@ class PeakMemory:
 
 class StaticLM:
     def __init__(self, w: dict) -> None:
-        from staticlm.runtime.device import Device, DeviceOptions
-        from staticlm.runtime.engine import Engine, EngineOptions
+        from staticlm.runtime.engine.engine import Engine, EngineOptions
+        from staticlm.runtime.session.device import Device, DeviceOptions
 
         self.engine = Engine(w["model"], options=EngineOptions(
             device=DeviceOptions(device=Device.CPU, num_threads=w["threads"])))

@@ -9,7 +9,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from staticlm.errors import InvalidOption, UserError
-from staticlm.runtime.device import (
+from staticlm.runtime.family.manifest import load_manifest
+from staticlm.runtime.family.weights import external_bytes
+from staticlm.runtime.session.device import (
     DeviceOptions,
     compile_graph_contexts,
     compile_shared_context,
@@ -17,9 +19,7 @@ from staticlm.runtime.device import (
     family_graph_files,
     max_context_weight_bytes,
 )
-from staticlm.runtime.family.manifest import load_manifest
-from staticlm.runtime.family.weights import external_bytes
-from staticlm.runtime.qnn_context import EMULATOR, SHARED_PREFIX
+from staticlm.runtime.session.qnn_context import EMULATOR, SHARED_PREFIX
 
 
 def _binaries_mb(directory: Path, *, per_graph: bool) -> float:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from staticlm.apps.models import ensure_default_model
 from staticlm.errors import InvalidOption
-from staticlm.runtime.device import Device
+from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
-from staticlm.runtime.text_stream import GenerationParams
+from staticlm.runtime.session.device import Device
 
 from .eval_metrics import compare, held_out_text
 

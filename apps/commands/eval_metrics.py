@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from staticlm.errors import InvalidOption
-from staticlm.runtime.engine import Engine
+from staticlm.runtime.engine.engine import Engine
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ from staticlm.apps.interrupt import Interrupted, StopFlag, sigint_sets
 from staticlm.apps.models import open_model
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import Overflow
-from staticlm.runtime.chat_template import Message
+from staticlm.runtime.generate.text_stream import FinishReason
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
-from staticlm.runtime.prompt_room import max_prompt_tokens
-from staticlm.runtime.text_stream import FinishReason
+from staticlm.runtime.text.chat_template import Message
+from staticlm.runtime.text.prompt_room import max_prompt_tokens
 
 
 def run_generate(*, prompt: str, options: RunOptions, chat: bool = True, num_responses: int = 1,

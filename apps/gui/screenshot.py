@@ -16,7 +16,7 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QApplication
 
-from staticlm.runtime.device import Device
+from staticlm.runtime.session.device import Device
 
 from .history import Conversation
 from .settings import app_settings

@@ -24,8 +24,8 @@ from PySide6.QtWidgets import (
 from staticlm.apps.home import home
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import Overflow
-from staticlm.runtime.device import Device
 from staticlm.runtime.options import RunOptions
+from staticlm.runtime.session.device import Device
 
 from .history import atomic_write_text
 

@@ -16,10 +16,10 @@ from staticlm.apps.interrupt import StopFlag
 from staticlm.apps.models import resolve_model_dir
 from staticlm.errors import UserError
 from staticlm.kv_manager import ContextFull
-from staticlm.runtime.chat_template import Message
-from staticlm.runtime.device import npu_available
 from staticlm.runtime.family.manifest import GraphKind
 from staticlm.runtime.model import Model, check_draft_model
+from staticlm.runtime.session.device import npu_available
+from staticlm.runtime.text.chat_template import Message
 
 from .kv_view import KVProbe
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from staticlm.errors import UserError
 from staticlm.kv_manager import ContextFull
-from staticlm.runtime.scheduler import QueueFull
+from staticlm.runtime.generate.scheduler import QueueFull
 
 RETRY_AFTER_S = 1
 ANTHROPIC_PATHS = ("/v1/messages",)

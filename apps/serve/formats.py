@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from staticlm.runtime.sequence_request import TokenLogprob
-from staticlm.runtime.text_stream import FinishReason
-from staticlm.runtime.tokenizer import Tokenizer
+from staticlm.runtime.generate.sequence_request import TokenLogprob
+from staticlm.runtime.generate.text_stream import FinishReason
+from staticlm.runtime.text.tokenizer import Tokenizer
 
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP_STRING: "stop", FinishReason.LENGTH: "length",
           FinishReason.CANCELLED: "stop"}

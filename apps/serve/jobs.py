@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from staticlm.runtime.sequence_request import Admitted, Delta, Failed, Finished, SequenceRequest, TokenLogprob
+from staticlm.runtime.generate.sequence_request import Admitted, Delta, Failed, Finished, SequenceRequest, TokenLogprob
 
 from .errors import api_error
 from .formats import (

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from staticlm.runtime.sequence_request import Delta
-from staticlm.runtime.text_stream import FinishReason
+from staticlm.runtime.generate.sequence_request import Delta
+from staticlm.runtime.generate.text_stream import FinishReason
 
 from .errors import api_error, bad_value
 from .jobs import Job

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from staticlm.kv_manager import ContextFull, Overflow
-from staticlm.runtime.prompt_room import max_prompt_tokens
-from staticlm.runtime.sampling import SamplingParams
-from staticlm.runtime.text_stream import GenerationParams
+from staticlm.runtime.generate.sampling import SamplingParams
+from staticlm.runtime.generate.text_stream import GenerationParams
+from staticlm.runtime.text.prompt_room import max_prompt_tokens
 
 from .errors import APIError, bad_value
 from .prompt import chat_prompt

@@ -10,7 +10,7 @@ import inspect
 from typing import Any
 
 from staticlm.runtime.chat import ChatFormat
-from staticlm.runtime.chat_template import Message
+from staticlm.runtime.text.chat_template import Message
 
 from .schemas import ChatMessage
 from .tools import tool_call_text, tools_system_text

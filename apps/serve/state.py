@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from staticlm.runtime.loop import GenerationLoop
+from staticlm.runtime.generate.loop import GenerationLoop
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
 

@@ -11,8 +11,8 @@ import sys
 import threading
 import traceback
 
-from staticlm.runtime.loop import GenerationLoop
-from staticlm.runtime.sequence_request import Event, SequenceRequest
+from staticlm.runtime.generate.loop import GenerationLoop
+from staticlm.runtime.generate.sequence_request import Event, SequenceRequest
 
 IDLE_WAIT_S = 0.5
 

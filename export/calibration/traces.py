@@ -24,13 +24,13 @@ import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
 from staticlm.kv_manager import LayeredKVCache, attention_bias
-from staticlm.runtime.device import Device
+from staticlm.runtime.engine.rope import RopeTable
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, TensorSpec, kv_tensor_index
 from staticlm.runtime.family.manifest import GraphEntry
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
-from staticlm.runtime.rope import RopeTable
+from staticlm.runtime.session.device import Device
 
 
 @dataclass(frozen=True)

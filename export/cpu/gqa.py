@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from onnx import TensorProto
 
+from staticlm.runtime.engine.rope import rope_cos_sin
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import Role, buffer_name
-from staticlm.runtime.rope import rope_cos_sin
 
 from .attention import _skip_norm, head_norm, mlp, post_norm
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from staticlm.export.calibration.traces import TraceStep, calibration_prompts, window_rows
-from staticlm.runtime.chat_template import Message
-from staticlm.runtime.device import Device
 from staticlm.runtime.model import Model, chat_format
 from staticlm.runtime.options import RunOptions
+from staticlm.runtime.session.device import Device
+from staticlm.runtime.text.chat_template import Message
 
 TEMPERATURE = 0.8
 SEED = 0

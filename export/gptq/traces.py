@@ -9,8 +9,8 @@ from pathlib import Path
 from staticlm.export.calibration.traces import calibration_prompts, record_traces, template_entry
 from staticlm.export.family import ExportOptions, export_family
 from staticlm.export.sources.model import LoadedModel
-from staticlm.runtime.chat_template import Message
 from staticlm.runtime.model import chat_format
+from staticlm.runtime.text.chat_template import Message
 
 from .calibrated import round_on_traces
 from .options import GptqOptions

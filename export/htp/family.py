@@ -41,11 +41,11 @@ from staticlm.export.graph.htp_grids import ProjectionGrids
 from staticlm.export.htp.options import QuantOptions
 from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
-from staticlm.runtime.chat_template import Message
 from staticlm.runtime.family.contract import IODtypes, graph_io
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256
 from staticlm.runtime.family.quant_params import FamilyQuant, Quant, TensorQuant
 from staticlm.runtime.model import chat_format
+from staticlm.runtime.text.chat_template import Message
 
 from . import gptq
 from .blocks import grid_overrides, to_block_weights

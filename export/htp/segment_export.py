@@ -29,12 +29,12 @@ import onnx
 from staticlm.export.calibration.traces import TraceStep, window_rows
 from staticlm.export.family import ExportOptions
 from staticlm.kv_manager.segments import SEGMENT_STEP
+from staticlm.runtime.engine.rope import RopeTable
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import GraphShape, IODtypes, Role, TensorSpec, kv_name, kv_tensor_index
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256
 from staticlm.runtime.family.quant_params import FamilyQuant, TensorQuant
 from staticlm.runtime.family.segments import static_segment_graph_io
-from staticlm.runtime.rope import RopeTable
 
 from .qdq import boundary_params
 from .segment_graph import FamilyWeights, HTPSegmentGraph

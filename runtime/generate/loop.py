@@ -1,0 +1,321 @@
+"""The generation loop: every request, from `generate` to the server, is admitted, scheduled onto rows, stepped
+and finished here, one `step()` at a time (schedule -> prefill a chunk -> decode every row).
+
+Execution lives in the engines, bookkeeping apart: scheduler.py (which row holds whom, who waits),
+prompt_cache.py (which tokens a row's KV holds), running.py (a choice's tokens, text and sampling).
+
+- The **lane** is the model's one-sequence engine and its Generator (whose token list mirrors its KV). Prompts
+  are prefilled there, one chunk per step while rows decode (a long prompt does not stall them). A sequence that
+  runs alone decodes there too, with the single-sequence speculator.
+- The **rows** (rows.py) decode the other sequences together, one call per step for all of them: copies of the
+  prompt in batch rows (continuous batching, with the prompt cache), or one shared prompt segment read in place
+  (a family whose batched graphs are segmented, or `--shared-prompt-kv`). Speculation runs on ragged rows.
+- Greedy is a function of the tokens: the engines never run a row alone (Engine.pairs_rows).
+
+`step()` runs on one thread (the engine's); `submit()` may be called from any thread.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from staticlm.errors import InvalidOption
+from staticlm.kv_manager import ContextFull, Overflow
+from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
+from staticlm.runtime.generate.rows import Rows
+from staticlm.runtime.generate.running import RunningSequence, choose, new_sequences, push
+from staticlm.runtime.generate.scheduler import RowScheduler
+from staticlm.runtime.generate.sequence_request import (
+    MAX_TOP_LOGPROBS,
+    Admitted,
+    Delta,
+    Failed,
+    Finished,
+    SequenceRequest,
+)
+from staticlm.runtime.generate.text_stream import FinishReason
+
+
+@dataclass(eq=False)
+class _Admission:
+    """A request whose rows are reserved, its prompt being prefilled on the lane (todo: None until it starts)."""
+
+    request: SequenceRequest
+    num_rows: int
+    todo: list[int] | None = None
+    num_cached: int = 0
+    source_row: int | None = None  # the row whose cached prefix it took (its rows start there: overwritten in place)
+
+
+class GenerationLoop:
+    """model: opened once (model.py); max_queue: requests that may wait beyond the rows free now (QueueFull past
+    it); prompt_cache: reuse the rows' cached prefixes; eager: open the rows' graphs now (a server), not when a
+    second sequence first needs them; rows: force "copies" or "segments" (see rows.py)."""
+
+    def __init__(self, model, *, max_queue: int = 64, prompt_cache: bool = True, eager: bool = False,
+                 rows: str | None = None) -> None:
+        self.model, self.use_cache = model, prompt_cache
+        self.lane = model.generator
+        self.rows = Rows(model, eager=eager, kind=rows)
+        self.scheduler: RowScheduler = RowScheduler(num_rows=self.rows.num_rows, max_queue=max_queue)
+        self.cache = PromptCache(self.rows.num_rows)
+        self._admitting: deque[_Admission] = deque()
+        self.num_steps = 0
+        self.num_cancelled = 0  # choices that ended because their client went away
+
+    @property
+    def num_rows(self) -> int:
+        return self.scheduler.num_rows
+
+    @property
+    def max_context(self) -> int:
+        return self.model.engine.max_context
+
+    # -- any thread ---------------------------------------------------------------------------------
+    def submit(self, request: SequenceRequest) -> None:
+        """Queue a request (QueueFull when the queue is full; a bad request raises a UserError here)."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidOption("the prompt is empty")
+        if n + request.params.max_new_tokens > self.max_context and not self._slides(request):
+            raise ContextFull(f"{n} prompt tokens + {request.params.max_new_tokens} new tokens exceed the "
+                              f"context of {self.max_context} tokens")
+        if request.num_logprobs is not None and not 0 <= request.num_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidOption(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {request.num_logprobs}")
+        self.scheduler.submit(request, num_rows=request.num_choices)
+
+    def _slides(self, request: SequenceRequest) -> bool:
+        """One choice under the slide policy runs past the context on the lane (its oldest rows slide out)."""
+        return self.model.engine.options.overflow is Overflow.SLIDE and request.num_choices == 1
+
+    # -- the engine's thread ------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit what fits, prefill one chunk, decode every row once; False when there was nothing to do."""
+        self._reap_cancelled()
+        admitted = self._schedule()
+        prefilled = self._prefill_chunk()
+        decoded = self._decode()
+        return admitted or prefilled or decoded
+
+    def _schedule(self) -> bool:
+        """Waiting requests that fit take their rows; their prompts queue for the lane."""
+        if not self.rows.admits_while_busy and (self.scheduler.busy_rows() or self._admitting):
+            return False
+        admissible = self.scheduler.admissible()
+        for request, num_rows in admissible:
+            self._admitting.append(_Admission(request, num_rows))
+        return bool(admissible)
+
+    def _prefill_chunk(self) -> bool:
+        """One chunk of the oldest admitted prompt on the lane; the whole rest when no row waits on it."""
+        if not self._admitting:
+            return False
+        adm = self._admitting[0]
+        try:
+            if adm.todo is None:
+                self._migrate_solo()  # the lane is needed: a lone sequence moves into its row
+                adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
+            busy = any(not s.solo for s in self._occupants())
+            take = min(len(adm.todo), self.model.engine.prefill_len) if busy else len(adm.todo)
+            take -= take > 2 and len(adm.todo) - take == 1  # leave no lone row for last (Engine.pairs_rows)
+            self.lane.append_tokens(adm.todo[:take])
+            del adm.todo[:take]
+        except Exception as e:  # noqa: BLE001 -- the request fails, the loop keeps serving
+            self._admitting.popleft()
+            self.scheduler.unreserve(adm.num_rows)
+            self.lane.reset()  # whatever the prefill left is unknown
+            adm.request.on_event(Failed(e))
+            return True
+        if not adm.todo:
+            self._admitting.popleft()
+            self._start_decoding(adm)
+        return True
+
+    def _start(self, request: SequenceRequest) -> tuple[list[int], int, int | None]:
+        """Rewind the lane to the longest cached prefix of the prompt (its own, or a row's copied in once)."""
+        ids, lane, source = request.prompt_ids, self.lane, None
+        if not self.use_cache:
+            lane.reset()
+        elif self.rows.keeps_prefixes:
+            source, num_in_row = self.cache.longest(ids, rows=self.scheduler.free_rows())
+            for r in self.scheduler.busy_rows():  # a row still decoding holds its prompt too (a shared system prompt)
+                seq = self.scheduler.occupant(r)
+                n = 0 if seq.solo else common_prefix(seq.request.prompt_ids + seq.stream.ids[:seq.num_fed], ids)
+                if n > num_in_row:
+                    source, num_in_row = r, n
+            if source is not None and num_in_row > common_prefix(lane.tokens, ids):
+                lane.adopt(self.rows.engine, row=source, token_ids=ids[:min(num_in_row, len(ids) - 1)])
+        todo = lane.sync_prefix(list(ids))
+        num_cached = len(ids) - len(todo)
+        self.cache.record(num_cached=num_cached)
+        request.on_event(Admitted(num_prompt_tokens=len(ids), num_cached_tokens=num_cached,
+                                  time=time.perf_counter()))
+        return todo, num_cached, source
+
+    def _start_decoding(self, adm: _Admission) -> None:
+        request = adm.request
+        seqs = new_sequences(request, tokenizer=self.model.tokenizer, prompt_ids=request.prompt_ids)
+        solo = (adm.num_rows == 1 and not self.scheduler.busy_rows() and not self._admitting
+                and not self.scheduler.num_waiting) or not self.rows.available
+        free = self.scheduler.free_rows()
+        rows = (self.cache.victims(adm.num_rows, free=free, prefer=adm.source_row) if self.rows.keeps_prefixes
+                else free[:len(seqs)])
+        for r, seq in zip(rows, seqs, strict=True):
+            self.cache.forget(r)
+            seq.solo = solo
+            self.scheduler.occupy(r, seq)
+        if not solo:
+            self.rows.load(rows, self.lane.engine)
+        logits, now = self.lane.next_logits, time.perf_counter()  # [V]
+        for r, seq in zip(rows, seqs, strict=True):
+            try:
+                self._take(r, seq, choose(seq, logits), now=now)
+            except Exception as e:  # noqa: BLE001 -- e.g. a grammar that broke: fail its request only
+                self._fail(request, e)
+                return
+
+    def _migrate_solo(self) -> None:
+        """A sequence decoding alone on the lane moves into its row: one copy of its KV."""
+        for r in self.scheduler.busy_rows():
+            seq = self.scheduler.occupant(r)
+            if seq.solo and self.rows.available:
+                self.rows.load([r], self.lane.engine)
+                seq.solo = False
+
+    def _occupants(self) -> list[RunningSequence]:
+        return [self.scheduler.occupant(r) for r in self.scheduler.busy_rows()]
+
+    def _decode(self) -> bool:
+        busy = self.scheduler.busy_rows()
+        if not busy:
+            return False
+        solo = [r for r in busy if self.scheduler.occupant(r).solo]
+        if solo and (len(busy) > 1 or self._admitting):
+            self._migrate_solo()
+            solo = []
+        self.num_steps += 1
+        if solo:
+            self._decode_solo(solo[0], self.scheduler.occupant(solo[0]))
+            return True
+        seqs = {r: self.scheduler.occupant(r) for r in busy}
+        try:
+            tokens = self.rows.step(seqs)  # row -> new tokens (speculated) or logits [V] to choose from
+        except Exception as e:  # noqa: BLE001 -- fail these requests, keep serving
+            for request in {id(s.request): s.request for s in seqs.values()}.values():
+                self._fail(request, e)
+            self.rows.reset()
+            for r in range(self.num_rows):
+                self.cache.forget(r)
+            return True
+        now = time.perf_counter()
+        for r, out in tokens.items():
+            seq = seqs[r]
+            if self.scheduler.occupant(r) is not seq:  # its request failed at an earlier row of this step
+                continue
+            try:
+                self._feed(r, seq, out, now=now)
+            except Exception as e:  # noqa: BLE001 -- e.g. a grammar that broke: fail its request only
+                self._fail(seq.request, e)
+        return True
+
+    def _decode_solo(self, row: int, seq: RunningSequence) -> None:
+        """One step of the only sequence on the lane: speculative when it may be, else one token."""
+        try:
+            spec = self.lane.speculate(seq.pending, seq.request.params.sampling, rng=seq.rng) if seq.plain else None
+            if spec is None:
+                self.lane.append_tokens([seq.pending])
+            self._feed(row, seq, spec if spec is not None else self.lane.next_logits, now=time.perf_counter())
+        except Exception as e:  # noqa: BLE001 -- fail this request, keep serving
+            self.lane.reset()
+            self._fail(seq.request, e)
+
+    def _feed(self, row: int, seq: RunningSequence, out, *, now: float) -> None:
+        """The row ran its pending token: out is its logits [V] to choose from, or the speculated tokens."""
+        if isinstance(out, list):
+            seq.num_fed += len(out)  # the pending token and the accepted drafts are in the KV now
+            for token in out:
+                if not self._take(row, seq, token, now=now):
+                    return
+            return
+        seq.num_fed += 1
+        self._take(row, seq, choose(seq, out), now=now)
+
+    def _take(self, row: int, seq: RunningSequence, token: int | None, *, now: float) -> bool:
+        """Push a chosen token (None: the grammar ended the choice); False once the choice has ended."""
+        if token is None:
+            self._finish(row, seq, reason=FinishReason.STOP_STRING, now=now)
+            return False
+        text = push(seq, token, now=now)
+        if seq.stream.reason is not None:
+            self._finish(row, seq, reason=None, text=text, now=now)
+            return False
+        if text:
+            self._send(seq, text, now=now)
+        return True
+
+    def _send(self, seq: RunningSequence, text: str, *, now: float) -> None:
+        seq.request.on_event(Delta(choice=seq.choice, text=text, token_ids=tuple(seq.unsent_ids),
+                                   logprobs=tuple(seq.unsent_logprobs), time=now))
+        seq.unsent_ids.clear()
+        seq.unsent_logprobs.clear()
+
+    def _finish(self, row: int, seq: RunningSequence, *, reason: FinishReason | None, now: float,
+                text: str = "") -> None:
+        """The choice ended (reason None: as its stream says); its row is free, its KV kept for the cache."""
+        if reason is not None:
+            text += seq.stream.cancel()
+        self.num_cancelled += reason is FinishReason.CANCELLED
+        if text or seq.unsent_ids:
+            self._send(seq, text, now=now)
+        ids = seq.stream.ids
+        if self.use_cache and self.rows.keeps_prefixes and not seq.solo:  # (the lane keeps a lone sequence's KV)
+            self.cache.store(row, seq.request.prompt_ids + ids[:seq.num_fed])
+        else:
+            self.cache.forget(row)
+        self.scheduler.release(row)
+        seq.request.on_event(Finished(choice=seq.choice, reason=reason or seq.stream.reason, token_ids=tuple(ids),
+                                      text=seq.stream.text, time=now, first_time=seq.stream.first_s))
+
+    def _fail(self, request: SequenceRequest, error: BaseException) -> int:
+        """The request ends with an error: its rows are freed (their KV forgotten); returns how many it held."""
+        rows = [r for r in self.scheduler.busy_rows() if self.scheduler.occupant(r).request is request]
+        for r in rows:
+            self.scheduler.release(r)
+            self.cache.forget(r)
+        request.on_event(Failed(error))
+        return len(rows)
+
+    def _reap_cancelled(self) -> None:
+        """Rows of requests whose client went away are free before the next step runs."""
+        now = time.perf_counter()
+        for r in self.scheduler.busy_rows():
+            seq = self.scheduler.occupant(r)
+            if seq.request.cancelled:
+                self._finish(r, seq, reason=FinishReason.CANCELLED, now=now)
+        for adm in [a for a in self._admitting if a.request.cancelled]:
+            self._admitting.remove(adm)
+            self.scheduler.unreserve(adm.num_rows)
+            _cancelled(adm.request, now=now)
+        for request in self.scheduler.waiting():
+            if request.cancelled and self.scheduler.drop_waiting(request):
+                _cancelled(request, now=now)
+
+    # -- for /health and /metrics ----------------------------------------------------------------------
+    def status(self) -> dict[str, int]:
+        stats = self.cache.stats
+        return {"rows": self.num_rows, "rows_in_use": self.scheduler.num_busy, "waiting": self.scheduler.num_waiting,
+                "admitting": len(self._admitting), "cached_rows": self.cache.num_cached_rows,
+                "prompt_cache_lookups": stats.num_lookups, "prompt_cache_hits": stats.num_hits,
+                "prompt_cache_tokens": stats.num_cached_tokens, "decode_steps": self.num_steps,
+                "cancelled": self.num_cancelled,
+                "kv_bytes": self.model.engine.kv.stats.reserved_bytes + self.rows.kv_bytes}
+
+
+def _cancelled(request: SequenceRequest, *, now: float) -> None:
+    """A request that ended before any of its choices had a row."""
+    for choice in range(request.num_choices):
+        request.on_event(Finished(choice=choice, reason=FinishReason.CANCELLED, token_ids=(), text="", time=now))
+
+
+__all__ = ["GenerationLoop"]

@@ -1,0 +1,118 @@
+"""The loop's batch rows: the sequences that decode together, one engine call per step for all of them.
+
+Two kinds, chosen from the family (loop.py calls them the same way):
+- copies: a batched Engine over the lane's weights; each row gets its own copy of its prompt's KV once
+  (`load_row`), so requests join and leave at any step and a finished row's KV serves the prompt cache;
+- segments: the family's segmented graphs read the lane's prompt KV in place (segment_engine.py): one request's
+  choices at a time, the prompt held once. An HTP family's batched graphs are all of this kind; a cpu family
+  uses them when `--shared-prompt-kv` asks.
+A family with neither has no rows: every sequence decodes on the lane, one at a time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from staticlm.errors import InvalidOption
+from staticlm.runtime.engine.engine import Engine
+from staticlm.runtime.engine.segment_engine import SegmentEngine, has_segments
+from staticlm.runtime.family.manifest import GraphKind
+from staticlm.runtime.generate.running import RunningSequence
+
+
+class Rows:
+    def __init__(self, model, *, eager: bool = False, kind: str | None = None) -> None:
+        """kind: "copies" or "segments" to compare them (a benchmark); None: the family's and the options' choice."""
+        self.model = model
+        lane = model.engine
+        copies = max((g.shape.batch for g in lane.manifest.graphs if g.kind is GraphKind.DECODE), default=1)
+        segmented = max((g.shape.batch for g in lane.manifest.graphs if g.kind is GraphKind.SEGMENT), default=1)
+        can_segment = segmented > 1 and has_segments(lane, segmented)
+        use_segments = can_segment and (copies == 1 or model.options.shared_prompt_kv if kind is None
+                                        else kind == "segments")
+        self.kind = "segments" if use_segments else "copies" if copies > 1 else None
+        self.num_rows = segmented if use_segments else copies
+        self.unavailable = (None if self.kind else
+                            f"{lane.model_dir}: its batched graphs read one shared prompt segment, which --on-overflow "
+                            "slide cannot keep; use --on-overflow error, or one response at a time" if segmented > 1
+                            else f"{lane.model_dir} has no batched graphs for several responses: export it with "
+                            "--batch-sizes")
+        self._engine: Engine | SegmentEngine | None = None
+        self.speculator = None
+        if eager and self.kind is not None:
+            self.open()
+
+    @property
+    def available(self) -> bool:
+        return self.kind is not None
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        """Whether each row holds its own prompt (the prompt cache's rows)."""
+        return self.kind == "copies"
+
+    @property
+    def admits_while_busy(self) -> bool:
+        """Whether a request may join while others decode (a prompt segment serves one request at a time)."""
+        return self.kind != "segments"
+
+    @property
+    def engine(self) -> Engine | SegmentEngine:
+        return self._engine if self._engine is not None else self.open()
+
+    def open(self) -> Engine | SegmentEngine:
+        lane, speculates = self.model.engine, self.model.speculates
+        if self.kind == "segments":
+            self._engine = SegmentEngine.beside(lane, batch=self.num_rows)
+        else:
+            self._engine = Engine(lane.model_dir, options=lane.options, batch=self.num_rows, weights_from=lane)
+        if speculates and not self._engine.verify_lens:
+            raise InvalidOption(f"{lane.model_dir} has no batched verify graphs for {self.num_rows} rows: " + (
+                "its segmented graphs have no verify length (exported with --verify-lens none); run several "
+                "responses without --speculate" if self.kind == "segments"
+                else f"export it with --batch-sizes {self.num_rows}"))
+        self._engine.warm_up(verify=speculates)
+        if speculates:
+            self.speculator = self.model.speculator(num_sequences=self.num_rows)
+        return self._engine
+
+    @property
+    def kv_bytes(self) -> int:
+        return 0 if self._engine is None else self._engine.kv_bytes
+
+    @property
+    def copied_bytes(self) -> int:
+        """KV bytes the rows' cache copied (loading prompts in, and any compaction)."""
+        return 0 if self._engine is None else int(self._engine.kv.stats.copied_bytes)
+
+    def load(self, rows: list[int], lane: Engine) -> None:
+        """The lane's cached rows become these rows' start: one copy per row (copies) or none (segments)."""
+        if self.kind == "segments":
+            self.engine.load_prefix(lane)
+            return
+        for r in rows:
+            self.engine.load_row(r, lane)
+
+    def reset(self) -> None:
+        if self._engine is not None:
+            self._engine.reset()
+
+    def step(self, seqs: dict[int, RunningSequence]) -> dict[int, list[int] | np.ndarray]:
+        """Run every sequence's pending token: per row, the speculated tokens, or its logits [V] to choose from."""
+        engine = self.engine
+        active = np.zeros(self.num_rows, bool)  # [B]
+        pending = np.full(self.num_rows, next(iter(seqs.values())).pending, np.int64)  # [B] (idle rows: any id)
+        previous = pending.copy()  # [B] the last token each row's KV holds
+        for r, seq in seqs.items():
+            active[r], pending[r], previous[r] = True, seq.pending, seq.previous
+        if self.speculator is not None and all(s.plain for s in seqs.values()):
+            contexts = [seqs[r].history if r in seqs else [] for r in range(self.num_rows)]
+            params = [seqs[r].request.params.sampling if r in seqs else None for r in range(self.num_rows)]
+            rngs = [seqs[r].rng if r in seqs else None for r in range(self.num_rows)]
+            out = self.speculator.step(engine, pending, active=active, contexts=contexts, params=params, rngs=rngs)
+            if out is not None:
+                return {r: out[r] for r in seqs}
+        logits = engine.decode_batch(pending, active=active, previous=previous)  # [B, V]
+        return {r: logits[r] for r in seqs}
+
+
+__all__ = ["Rows"]
