@@ -130,16 +130,23 @@ class Model:
     def speculates(self) -> bool:
         return self.options.speculate_options().mode is not SpeculateMode.NONE
 
-    def speculator(self, *, num_sequences: int) -> Speculator | BatchSpeculator | None:
+    def speculator(self, *, num_sequences: int, engine=None) -> Speculator | BatchSpeculator | None:
         """A draft model must share the target's tokenizer; one drafter per sequence (a draft model keeps
-        per-sequence KV), all draft engines on one weight mapping."""
+        per-sequence KV), all draft engines on one weight mapping.
+
+        Without --speculate, an engine that pairs rows (Engine.pairs_rows) still drafts one token by prompt lookup
+        where it can: the row a decode step runs beside its token then checks a guess instead of recomputing the
+        row before it, at the same cost (engine: the one the speculator steps, default the lane)."""
         spec = self.options.speculate_options()
         if spec.mode is SpeculateMode.NONE:
-            return None
-        length = DraftLength(initial=spec.fixed_length, fixed=True) if spec.fixed_length else DraftLength()
-        if spec.mode is SpeculateMode.LOOKUP:
+            if not getattr(engine or self.engine, "pairs_rows", False):
+                return None
+            length, drafters = DraftLength(initial=1, fixed=True), [PromptLookupDrafter()] * num_sequences
+        elif spec.mode is SpeculateMode.LOOKUP:
+            length = DraftLength(initial=spec.fixed_length, fixed=True) if spec.fixed_length else DraftLength()
             drafters = [PromptLookupDrafter()] * num_sequences  # stateless: one serves every sequence
         else:
+            length = DraftLength(initial=spec.fixed_length, fixed=True) if spec.fixed_length else DraftLength()
             first = Engine(spec.draft_dir, options=self.engine.options)
             if first.manifest.model.vocab_size != self.manifest.model.vocab_size or \
                     _tokenizer_bytes(first) != _tokenizer_bytes(self.engine):

@@ -263,3 +263,23 @@ def test_logprobs_and_grammars_run_on_the_single_path(in_place_family):
     assert [lp.token_id for lp in greedy.logprobs] == greedy.token_ids
     for lp in greedy.logprobs:  # greedy: the chosen token is the likeliest, and logprobs are log-probabilities
         assert lp.top[0][0] == lp.token_id and lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+
+
+def test_a_decode_step_checks_a_looked_up_guess_in_the_row_beside_its_token(in_place_family):
+    # The paired row (Engine.pairs_rows) is not wasted: where prompt lookup has a guess, the step verifies it.
+    from staticlm.runtime.generate.text_stream import GenerationParams
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
+
+    paired, lone = _open(in_place_family), Model.open(in_place_family, RunOptions(device="cpu", num_threads=2,
+                                                                                  lone_rows=True))
+    assert paired.engine.pairs_rows and not lone.engine.pairs_rows and lone.generator.speculator is None
+    ids = paired.tokenizer.encode("abcabcabcabc abcabc", add_special_tokens=False)  # repeats: lookup finds guesses
+    params = GenerationParams(max_new_tokens=30, ignore_eos=True)
+    plain = _open(in_place_family)
+    plain.generator.speculator = None  # every step recomputes the row before its token instead
+    want = plain.generate(ids, params).token_ids
+    assert paired.generate(ids, params).token_ids == want
+    stats = paired.generator.speculator.stats
+    assert stats.num_accepted > 0 and stats.num_drafted <= stats.num_steps  # one guess a step at most
+    assert paired.engine.counters.num_verify_rows == 2 * paired.engine.counters.num_verify_steps  # exactly 2 rows

@@ -62,9 +62,9 @@ def _run(model: Model, ids: list[int], config: SpecConfig, max_new: int) -> dict
     engine = model.engine
     engine.reset()
     engine.counters = StepCounters()  # per configuration: speculation's cost estimate starts afresh too
-    gen = Model(engine, options=model.options.replace(speculate=config.speculate,
-                                                      draft_len=config.draft_len)).generator
-    result = gen.generate(ids, GenerationParams(max_new_tokens=max_new))
+    run = Model(engine, options=model.options.replace(speculate=config.speculate, draft_len=config.draft_len))
+    gen = run.generator
+    result = run.generate(ids, GenerationParams(max_new_tokens=max_new))
     c, stats = engine.counters, gen.speculator.stats if gen.speculator else None
     decode_tokens = max(len(result.token_ids) - 1, 0)  # the first token comes from the prefill
     return {"tok_s": result.decode_tok_s, "tokens": len(result.token_ids), "text": result.text[:200],

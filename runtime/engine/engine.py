@@ -43,16 +43,18 @@ class EngineOptions:
     paired_rows: bool = True
 
 
-def _with_rows(chunks: tuple[GraphEntry, ...], rows: int | None, *, config, kv_dtype: str) -> tuple[GraphEntry, ...]:
-    """The prompt-chunk entries at `rows` rows, where their graph takes any number (a logits_index input)."""
+def _with_rows(chunks: tuple[GraphEntry, ...], rows: int | None, *, config, kv_dtype: str,
+               all_rows: bool = False) -> tuple[GraphEntry, ...]:
+    """The prompt-chunk entries at `rows` rows, where their graph takes any number (a logits_index input), scoring
+    the last real row (all_rows: every row, to verify drafts)."""
     if rows is None or not chunks or not any(s.role is Role.LOGITS_INDEX for s in chunks[0].inputs):
         return chunks
     out = []
     for entry in chunks:
         shape = dataclasses.replace(entry.shape, ar=rows)
-        inputs, outputs = in_place_graph_io(config, shape, last_logits_only=True, kv_dtype=kv_dtype)
-        out.append(dataclasses.replace(entry, name=f"{entry.name}@ar{rows}", shape=shape, inputs=inputs,
-                                       outputs=outputs))
+        inputs, outputs = in_place_graph_io(config, shape, last_logits_only=not all_rows, kv_dtype=kv_dtype)
+        out.append(dataclasses.replace(entry, name=f"{entry.name}@ar{rows}{'+' if all_rows else ''}", shape=shape,
+                                       inputs=inputs, outputs=outputs))
     return tuple(out)
 
 
@@ -114,12 +116,14 @@ class Engine:
         self.prefill_len = max((g.shape.ar for g in self._prefill), default=1)
         # One graph takes any number of rows (a logits_index input): chunks run at their own length, and rows pair
         self._any_rows = bool(self._prefill) and any(s.role is Role.LOGITS_INDEX for s in self._prefill[0].inputs)
-        self._rows_entries: dict[int, GraphEntry] = {}
+        self._rows_entries: dict[tuple[int, bool], GraphEntry] = {}
         # Every AR=N graph that scores all its rows can verify drafts (and score a text); by AR, each a ladder
         # sorted by past length. An in-place family's prompt graph scores its last row only.
         multi = tuple(g for g in multi if g.logit_rows == g.shape.ar)
         self.verify_lens = tuple(sorted({g.shape.ar for g in multi}))
         self._verify = {ar: tuple(g for g in multi if g.shape.ar == ar) for ar in self.verify_lens}
+        if self._any_rows:  # the one graph verifies exactly the rows a step has: two, a token and one draft, too
+            self.verify_lens = tuple(sorted({2, *self.verify_lens}))
         # A quantized family's first token runs alone in a graph with its own activation ranges
         self._sink = self.manifest.graphs_of(GraphKind.SINK, batch=batch)[:1]
         self.layout = LAYOUTS[self.manifest.kv_layout]
@@ -249,7 +253,11 @@ class Engine:
         return logits[0, len(tokens) - 1 if entry.logit_rows > 1 else 0]
 
     def verify_len(self, num_tokens: int) -> int | None:
-        """The smallest exported AR that takes num_tokens rows at the current length (None: none fits)."""
+        """The smallest exported AR that takes num_tokens rows at the current length (None: none fits); a graph
+        that takes any number of rows verifies exactly num_tokens."""
+        if self._any_rows:
+            fits = 1 < num_tokens <= self.prefill_len and self.num_cached <= self._prefill[-1].shape.past_len
+            return num_tokens if fits else None
         for ar in self.verify_lens:
             if ar >= num_tokens and self._verify[ar][-1].shape.past_len >= self.num_cached:
                 return ar
@@ -270,7 +278,8 @@ class Engine:
             raise ValueError(f"no verify graph takes {n} tokens at {self.num_cached} cached")
         self.check_room(n)
         t0 = time.perf_counter()
-        logits = self._run(self._rung(self._verify[ar], self.num_cached), ids)
+        entry = self._rows_entry(ar, all_rows=True) if self._any_rows else self._rung(self._verify[ar], self.num_cached)
+        logits = self._run(entry, ids)
         logits = logits[0, :n] if ids.ndim == 1 else logits[:, :n]
         self.counters.add_verify(ar=ar, num_rows=ar * self.batch, seconds=time.perf_counter() - t0,
                                  num_tokens=int(num_real.sum()) if num_real is not None else ids.size)
@@ -300,12 +309,13 @@ class Engine:
         the row before it (tests/test_greedy_paths.py): decode reads every weight once either way."""
         return self._any_rows and self.options.paired_rows
 
-    def _rows_entry(self, rows: int) -> GraphEntry:
-        """The prompt graph at exactly `rows` rows, scoring the last real row (a family whose graph takes any)."""
-        if rows not in self._rows_entries:
-            self._rows_entries[rows] = _with_rows(self._prefill[-1:], rows, config=self.config,
-                                                  kv_dtype=self.manifest.kv_dtype)[0]
-        return self._rows_entries[rows]
+    def _rows_entry(self, rows: int, *, all_rows: bool = False) -> GraphEntry:
+        """The prompt graph at exactly `rows` rows, scoring the last real row or every row (a family whose graph
+        takes any number)."""
+        if (rows, all_rows) not in self._rows_entries:
+            self._rows_entries[rows, all_rows] = _with_rows(self._prefill[-1:], rows, config=self.config,
+                                                            kv_dtype=self.manifest.kv_dtype, all_rows=all_rows)[0]
+        return self._rows_entries[rows, all_rows]
 
     def _can_pair(self, previous: int | None) -> bool:
         return (previous is not None and self.pairs_rows and self.batch == 1 and self.num_cached > 0

@@ -78,9 +78,9 @@ class GenerationLoop:
         n = len(request.prompt_ids)
         if n == 0:
             raise InvalidOption("the prompt is empty")
-        if n + request.params.max_new_tokens > self.max_context and not self._slides(request):
-            raise ContextFull(f"{n} prompt tokens + {request.params.max_new_tokens} new tokens exceed the "
-                              f"context of {self.max_context} tokens")
+        if n >= self.max_context and not self._slides(request):  # an answer that fills the context ends there
+            raise ContextFull(f"context full: {n} prompt tokens leave no room for an answer in the context of "
+                              f"{self.max_context} tokens; use a shorter prompt or --on-overflow slide")
         if request.num_logprobs is not None and not 0 <= request.num_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidOption(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {request.num_logprobs}")
         self.scheduler.submit(request, num_rows=request.num_choices)
@@ -249,6 +249,9 @@ class GenerationLoop:
         text = push(seq, token, now=now)
         if seq.stream.reason is not None:
             self._finish(row, seq, reason=None, text=text, now=now)
+            return False
+        if len(seq.history) > self.max_context and not self._slides(seq.request):  # no row left to feed it into
+            self._finish(row, seq, reason=FinishReason.LENGTH, text=text, now=now)
             return False
         if text:
             self._send(seq, text, now=now)

@@ -71,8 +71,7 @@ class Rows:
                 "responses without --speculate" if self.kind == "segments"
                 else f"export it with --batch-sizes {self.num_rows}"))
         self._engine.warm_up(verify=speculates)
-        if speculates:
-            self.speculator = self.model.speculator(num_sequences=self.num_rows)
+        self.speculator = self.model.speculator(num_sequences=self.num_rows, engine=self._engine)
         return self._engine
 
     @property
