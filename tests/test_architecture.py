@@ -9,9 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import tomllib
-
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "staticlm"
