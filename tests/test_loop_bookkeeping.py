@@ -1,0 +1,79 @@
+"""The generation loop's bookkeeping, property-tested apart from any model: the row scheduler and the prompt cache
+(runtime/generate/scheduler.py, prompt_cache.py), each against a naive model of what it promises."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
+from staticlm.runtime.generate.scheduler import QueueFull, RowScheduler
+
+NUM_ROWS = 4
+ops = st.lists(st.tuples(st.sampled_from(["submit", "admit", "release", "drop"]), st.integers(1, NUM_ROWS)),
+               max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, max_queue=st.integers(0, 3))
+def test_scheduler_admits_in_order_never_over_allocates_and_bounds_its_queue(ops, max_queue):
+    s = RowScheduler(num_rows=NUM_ROWS, max_queue=max_queue)
+    submitted: list[str] = []  # in order, every request the scheduler took
+    admitted: list[str] = []
+    holding: dict[int, str] = {}  # row -> request
+    for i, (op, n) in enumerate(ops):
+        if op == "submit":
+            name = f"r{i}:{n}"
+            try:
+                s.submit(name, num_rows=n)
+                submitted.append(name)
+            except QueueFull:
+                assert s.num_waiting >= max_queue  # it refused only when max_queue requests already wait
+        elif op == "admit":
+            for request, num_rows in s.admissible():
+                admitted.append(request)
+                free = s.free_rows()
+                assert len(free) >= num_rows  # the rows it promised are there
+                for row in free[:num_rows]:
+                    s.occupy(row, request)
+                    holding[row] = request
+        elif op == "release" and holding:
+            row = sorted(holding)[n % len(holding)]
+            s.release(row)
+            del holding[row]
+        elif op == "drop" and s.num_waiting:
+            assert s.drop_waiting(s.waiting()[-1])
+            submitted.pop(len(admitted) + s.num_waiting)  # the newest waiting request leaves the order
+        assert s.num_busy == len(holding) <= NUM_ROWS
+        assert sorted(s.busy_rows()) == sorted(holding)
+        assert admitted == submitted[:len(admitted)]  # oldest first, nobody jumps the queue
+        assert s.waiting() == submitted[len(admitted):]
+
+
+cached = st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=cached, prompt=st.lists(st.integers(0, 3), max_size=8), data=st.data())
+def test_prompt_cache_finds_the_longest_prefix_and_picks_victims_by_preference_emptiness_and_age(rows, prompt, data):
+    cache = PromptCache(len(rows))
+    order = data.draw(st.permutations(range(len(rows))))
+    for row in order:  # stored in this order: the first is the least recently used
+        if rows[row]:
+            cache.store(row, rows[row])
+    candidates = data.draw(st.lists(st.sampled_from(range(len(rows))), unique=True))
+    best_row, best = cache.longest(prompt, rows=candidates)
+    want = max((common_prefix(rows[r], prompt) for r in candidates), default=0)
+    assert best == want and (best == 0) == (best_row is None)
+    if best_row is not None:
+        assert common_prefix(rows[best_row], prompt) == best
+    num = data.draw(st.integers(0, len(candidates)))
+    prefer = data.draw(st.sampled_from([None, *candidates])) if candidates else None
+    victims = cache.victims(num, free=candidates, prefer=prefer)
+    assert len(victims) == len(set(victims)) == num and set(victims) <= set(candidates)
+    if prefer is not None and num:
+        assert victims[0] == prefer
+    rest = [r for r in victims if r != prefer]
+    empty_first = [not rows[r] for r in rest]
+    assert empty_first == sorted(empty_first, reverse=True)  # empty rows before cached ones
+    ages = [order.index(r) for r in rest if rows[r]]
+    assert ages == sorted(ages)  # then the least recently used first
