@@ -12,14 +12,13 @@ import pytest  # noqa: E402
 
 from staticlm.apps import cli  # noqa: E402
 from staticlm.errors import InvalidOption  # noqa: E402
-from staticlm.runtime.generate.generator import Generator  # noqa: E402
 from staticlm.runtime.model import Model  # noqa: E402
 from staticlm.runtime.options import RunOptions, flag, run_option_fields  # noqa: E402
 
 # A value other than the default for every run option, each one that the tiny float family can run with.
 TYPED = {
     "device": "cpu", "num_threads": 1, "soc_model": "69", "kv_strategy": "bmc", "kv_reserve": 3.0,
-    "overflow": "slide", "bmc_r": 8, "prepack": True, "shared_prompt_kv": True,
+    "overflow": "slide", "bmc_r": 8, "prepack": True, "shared_prompt_kv": True, "lone_rows": True,
     "speculate": "lookup", "draft_len": 3, "max_new_tokens": 5,
     "temperature": 0.5, "top_k": 7, "top_p": 0.9, "min_p": 0.01, "repetition_penalty": 1.2, "seed": 1,
     "stop": ("X",), "ignore_eos": True, "system_prompt": "Be brief.",
@@ -47,24 +46,24 @@ def argv_for(values: dict) -> list[str]:
 
 
 class Recorder:
-    """Wraps Model.open and Generator.stream: the options a model was opened with, the params an answer used."""
+    """Wraps Model.open and Model.stream: the options a model was opened with, the params an answer used."""
 
     def __init__(self, monkeypatch) -> None:
         self.models: list[Model] = []
         self.params = []
-        real_open, real_stream = Model.open.__func__, Generator.stream
+        real_open, real_stream = Model.open.__func__, Model.stream
 
         def open_(cls, *args, **kwargs):
             model = real_open(cls, *args, **kwargs)
             self.models.append(model)
             return model
 
-        def stream(gen, prompt_ids, params, **kwargs):
+        def stream(model, prompt_ids, params=None, **kwargs):
             self.params.append(params)
-            return real_stream(gen, prompt_ids, params, **kwargs)
+            return real_stream(model, prompt_ids, params, **kwargs)
 
         monkeypatch.setattr(Model, "open", classmethod(open_))
-        monkeypatch.setattr(Generator, "stream", stream)
+        monkeypatch.setattr(Model, "stream", stream)
 
 
 def assert_reached(recorder: Recorder, expected: RunOptions) -> None:

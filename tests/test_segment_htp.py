@@ -277,7 +277,7 @@ def test_bass_runs_on_the_segmented_verify_graphs(families):
     ids = open_tokenizer(family).encode("abcabcabcabc abcabc", add_special_tokens=False)
     params = GenerationParams(max_new_tokens=30, ignore_eos=True)  # plain greedy repeats: lookup drafts find matches
     gen, responses = _batch_generate(family, ids, params, segments=True, speculate=True)
-    assert gen.speculator.stats.num_accepted > 0 and gen.batch.counters.num_verify_steps > 0
+    assert gen.speculator.stats.num_accepted > 0 and gen.engine.counters.num_verify_steps > 0
     assert [r.token_ids for r in responses] == [_single_tokens(family, ids, params)] * 4
 
 

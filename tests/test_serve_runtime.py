@@ -230,9 +230,9 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_other_rows_decode
         before = sum(len(e.token_ids) for e in decoding if isinstance(e, Delta))
         loop.step()
         tokens_per_step.append(sum(len(e.token_ids) for e in decoding if isinstance(e, Delta)) - before)
-    # the long prompt took several steps, and the decoding row gained a token at every one of them
+    # the long prompt took several steps, and the decoding row gained a token (two, a guess accepted) at each
     assert len(tokens_per_step) >= len(long) // served.engine.prefill_len - 1
-    assert all(n == 1 for n in tokens_per_step), tokens_per_step
+    assert all(n >= 1 for n in tokens_per_step), tokens_per_step
     while loop.step():
         pass
     assert list(next(e for e in decoding if isinstance(e, Finished)).token_ids) == want_short

@@ -220,7 +220,7 @@ def test_tiny_batched_speculation_with_ragged_acceptance_equals_transformers(tin
             break
         last = np.array([g[-1] for g in generated])
         contexts = [p + g for p, g in zip(prefixes, generated, strict=True)]
-        fresh = speculator.step(batch, last, active=active, contexts=contexts, params=greedy, rng=rng)
+        fresh = speculator.step(batch, last, active=active, contexts=contexts, params=[greedy] * 4, rngs=[rng] * 4)
         if fresh is None:  # nobody had a draft: one plain batched decode step
             out = batch.decode_batch(last, active=active)
             fresh = [[int(np.argmax(out[b]))] if active[b] else [] for b in range(4)]
@@ -290,7 +290,7 @@ def test_batched_speculation_decides_with_the_per_sequence_profile():
 
     def step():
         return speculator.step(engine, np.array([1, 2, 3, 4]), active=np.ones(4, bool),
-                               contexts=[[1], [2], [3], [4]], params=greedy, rng=rng)
+                               contexts=[[1], [2], [3], [4]], params=[greedy] * 4, rngs=[rng] * 4)
 
     assert step() == [[5, 5, 5, 5], [5], [5], [5]]  # not timed yet: verify
     profile = speculator.policy.profile
@@ -308,11 +308,11 @@ def test_batched_speculation_decides_with_the_per_sequence_profile():
     right = BatchSpeculator([_ConstantDrafter(5)] * 4, length=DraftLength(initial=3), probe_every=4)
     engine.cost = None
     right.step(engine, np.array([1, 2, 3, 4]), active=np.ones(4, bool), contexts=[[1], [2], [3], [4]],
-               params=greedy, rng=rng)
+               params=[greedy] * 4, rngs=[rng] * 4)
     engine.cost = 2.0
     for _ in range(8):
         right.step(engine, np.array([1, 2, 3, 4]), active=np.ones(4, bool), contexts=[[1], [2], [3], [4]],
-                   params=greedy, rng=rng)
+                   params=[greedy] * 4, rngs=[rng] * 4)
     assert right.policy.num_skipped == 0 and right.stats.num_steps == 9
 
 
@@ -340,7 +340,7 @@ def test_tiny_ragged_verify_rows_are_padded_with_the_last_real_token(tiny_chat_f
     generated = [[11], [12], [13], [14]]
     for _ in range(4):
         fresh = speculator.step(batch, np.array([g[-1] for g in generated]), active=np.ones(4, bool),
-                                contexts=[prompt + g for g in generated], params=greedy, rng=rng)
+                                contexts=[prompt + g for g in generated], params=[greedy] * 4, rngs=[rng] * 4)
         for b in range(4):
             generated[b].extend(fresh[b])
     assert len(fed) == 4

@@ -115,7 +115,9 @@ class Engine:
                                    config=cfg, kv_dtype=self.manifest.kv_dtype)  # prompt chunks
         self.prefill_len = max((g.shape.ar for g in self._prefill), default=1)
         # One graph takes any number of rows (a logits_index input): chunks run at their own length, and rows pair
-        self._any_rows = bool(self._prefill) and any(s.role is Role.LOGITS_INDEX for s in self._prefill[0].inputs)
+        # (not while running layer-group parts: they exist for the exported shapes only)
+        self._any_rows = (bool(self._prefill) and not options.run_parts
+                          and any(s.role is Role.LOGITS_INDEX for s in self._prefill[0].inputs))
         self._rows_entries: dict[tuple[int, bool], GraphEntry] = {}
         # Every AR=N graph that scores all its rows can verify drafts (and score a text); by AR, each a ladder
         # sorted by past length. An in-place family's prompt graph scores its last row only.

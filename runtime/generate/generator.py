@@ -67,6 +67,14 @@ class Generator:
                 return tokens
         return [self.generate_next_token(params)]
 
+    def feed(self, token: int) -> np.ndarray:
+        """Run one chosen token through a decode step (beside the last cached one); its next-token logits [V]."""
+        self._pending = None
+        self._logits = self.engine.decode(token, previous=self.tokens[-1] if self.tokens else None).copy()
+        self.tokens.append(token)
+        self._sync_slide()
+        return self._logits
+
     def speculate(self, pending: int, params: SamplingParams, *, rng: np.random.Generator) -> list[int] | None:
         """One draft-and-verify step after `pending` (chosen, not yet cached), drawing from rng: the tokens it
         gives (the accepted drafts, then the next one, which the caller feeds next), or None: not this step."""

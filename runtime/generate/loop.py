@@ -223,9 +223,8 @@ class GenerationLoop:
         """One step of the only sequence on the lane: speculative when it may be, else one token."""
         try:
             spec = self.lane.speculate(seq.pending, seq.request.params.sampling, rng=seq.rng) if seq.plain else None
-            if spec is None:
-                self.lane.append_tokens([seq.pending])
-            self._feed(row, seq, spec if spec is not None else self.lane.next_logits, now=time.perf_counter())
+            out = spec if spec is not None else self.lane.feed(seq.pending)
+            self._feed(row, seq, out, now=time.perf_counter())
         except Exception as e:  # noqa: BLE001 -- fail this request, keep serving
             self.lane.reset()
             self._fail(seq.request, e)
