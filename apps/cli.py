@@ -135,6 +135,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="reasoning tokens before </think> is forced (-1: no limit, the default; 0: thinking off)")
     s.add_argument("--no-prompt-cache", action="store_true",
                    help="prefill every prompt in full instead of reusing cached prefixes")
+    s.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                   help="save the prompt cache here (when idle and at exit) and load it at start, so a restart "
+                        "does not prefill a cached prompt again (at most one file per batch row)")
     s.add_argument("--model-id", default=None, help="the id /v1/models lists and requests name "
                    "(default: the model directory's name)")
     return s
@@ -164,7 +167,8 @@ def dispatch(args: argparse.Namespace) -> int:
         return run_serve(options, ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
                                                cors=tuple(args.cors or ()), max_queue=args.max_queue,
                                                max_body_bytes=args.max_body_bytes,
-                                               prompt_cache=not args.no_prompt_cache, model_id=args.model_id,
+                                               prompt_cache=not args.no_prompt_cache, cache_dir=args.cache_dir,
+                                               model_id=args.model_id,
                                                header_timeout_s=args.header_timeout,
                                                body_timeout_s=args.body_timeout,
                                                max_connections=args.max_connections,

@@ -112,6 +112,23 @@ def tiny_chat_family(tiny_hf_dir, tmp_path_factory) -> Path:
     return out
 
 
+def export_in_place(hf_dir: Path, out: Path) -> Path:
+    """The cpu target's default layout (GroupQueryAttention, KV appended in place), as SmolLM2 is served."""
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.graph import CpuOptions
+    from staticlm.export.family import ExportOptions
+    from staticlm.export.sources import load_model
+
+    export_cpu_family(load_model(hf_dir), out, cpu=CpuOptions(),
+                      options=ExportOptions(contexts=(256, 512), prefill_len=16, verify_lens=(4,)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def in_place_family(tiny_hf_dir, tmp_path_factory) -> Path:
+    return export_in_place(tiny_hf_dir, tmp_path_factory.mktemp("serve_cpu") / "family")
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)

@@ -98,20 +98,6 @@ def test_rows_cleared_and_loaded_one_at_a_time_match_a_naive_reference(strategy,
 
 
 # -- the continuous batcher -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def in_place_family(tiny_hf_dir, tmp_path_factory) -> Path:
-    """The cpu target's default layout (GroupQueryAttention, KV appended in place), as SmolLM2 is served."""
-    from staticlm.export.cpu.family import export_cpu_family
-    from staticlm.export.cpu.graph import CpuOptions
-    from staticlm.export.family import ExportOptions
-    from staticlm.export.sources import load_model
-
-    out = tmp_path_factory.mktemp("serve_cpu") / "family"
-    export_cpu_family(load_model(tiny_hf_dir), out, cpu=CpuOptions(),
-                      options=ExportOptions(contexts=(256, 512), prefill_len=16, verify_lens=(4,)))
-    return out
-
-
 def _open(family: Path):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions

@@ -43,6 +43,10 @@ def check_serve_options(serve: ServeOptions) -> None:
             raise InvalidOption(f"{flag} must be > 0 seconds, got {value}")
     if serve.max_connections < 1:
         raise InvalidOption(f"--max-connections must be >= 1, got {serve.max_connections}")
+    if serve.cache_dir is not None and not serve.prompt_cache:
+        raise InvalidOption("--cache-dir saves the prompt cache, which --no-prompt-cache turns off: drop one")
+    if serve.cache_dir is not None and serve.cache_dir.exists() and not serve.cache_dir.is_dir():
+        raise InvalidOption(f"--cache-dir {serve.cache_dir} is not a directory")
     if serve.reasoning_format not in REASONING_FORMATS:
         raise InvalidOption(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}, "
                             f"got {serve.reasoning_format!r}")

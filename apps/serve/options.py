@@ -3,6 +3,7 @@ it waits for a client, and what it does with a reasoning model's thoughts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 # A body holds the prompt's text, JSON-escaped (up to 6 bytes a character, "\u00e9"), and characters run a few
@@ -27,6 +28,7 @@ class ServeOptions:
     max_queue: int = 16  # requests that may wait for a batch row; past it: 429
     max_body_bytes: int | None = None  # past it: 413 (None: default_max_body_bytes of the model's context)
     prompt_cache: bool = True
+    cache_dir: Path | None = None  # the prompt cache saved here when idle and at exit, loaded at start (slots.py)
     model_id: str | None = None  # default: the model directory's name
     header_timeout_s: float = 10.0  # a connection's request headers must be complete within this
     body_timeout_s: float = 60.0  # a request's body must be complete within this of its headers (past it: 408)

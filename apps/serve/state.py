@@ -1,11 +1,13 @@
 """What every handler of one server shares: the model, its batcher's worker, the options, metrics, grammars."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from staticlm.runtime.generate.loop import GenerationLoop
+from staticlm.runtime.generate.slots import SlotStore
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
 
@@ -31,10 +33,17 @@ class ServeState:
     @classmethod
     def build(cls, model: Model, serve: ServeOptions) -> ServeState:
         batcher = model.open_loop(max_queue=serve.max_queue, prompt_cache=serve.prompt_cache, eager=True)
+        on_idle = None
+        if serve.cache_dir is not None:
+            slots = SlotStore.for_engine(serve.cache_dir, model.engine, max_entries=batcher.max_saved_prefixes)
+            num_loaded = batcher.restore_prefixes(slots.load())
+            print(f"staticlm serve: {num_loaded} cached prompt(s) loaded from {serve.cache_dir}", file=sys.stderr,
+                  flush=True)
+            on_idle = lambda: slots.save(batcher.cached_prefixes())  # noqa: E731
         m = model.manifest
         grammars = Grammars(Path(model.engine.model_dir) / m.tokenizer_file, vocab_size=m.model.vocab_size,
                             eos_token_ids=model.tokenizer.eos_token_ids)
-        return cls(model=model, options=model.options, serve=serve, worker=EngineWorker(batcher),
+        return cls(model=model, options=model.options, serve=serve, worker=EngineWorker(batcher, on_idle=on_idle),
                    metrics=ServeMetrics(batcher), grammars=grammars,
                    model_id=serve.model_id or Path(model.engine.model_dir).resolve().name, created=int(time.time()))
 

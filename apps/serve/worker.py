@@ -10,6 +10,7 @@ import asyncio
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 
 from staticlm.runtime.generate.loop import GenerationLoop
 from staticlm.runtime.generate.sequence_request import Event, SequenceRequest
@@ -18,8 +19,12 @@ IDLE_WAIT_S = 0.5
 
 
 class EngineWorker:
-    def __init__(self, batcher: GenerationLoop) -> None:
+    """on_idle: called on the engine's thread each time the loop runs out of work, and once after it stopped
+    (saving the prompt cache: slots.py)."""
+
+    def __init__(self, batcher: GenerationLoop, *, on_idle: Callable[[], None] | None = None) -> None:
         self.batcher = batcher
+        self._on_idle = on_idle
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="staticlm-engine", daemon=True)
@@ -31,6 +36,8 @@ class EngineWorker:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._on_idle is not None and not self._thread.is_alive():  # (a step still running owns the loop)
+            self._on_idle()
 
     def submit(self, request: SequenceRequest) -> None:
         """Queue a request (QueueFull, or a UserError for a bad one, is raised here) and wake the engine."""
@@ -42,12 +49,16 @@ class EngineWorker:
         self._wake.set()
 
     def _loop(self) -> None:
+        busy = False
         while not self._stopping:
             try:
                 worked = self.batcher.step()
+                if busy and not worked and self._on_idle is not None:
+                    self._on_idle()
             except Exception:  # noqa: BLE001 -- a bug in one step must not stop the server; it is logged
                 traceback.print_exc(file=sys.stderr)
                 worked = False
+            busy = worked
             if not worked:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()

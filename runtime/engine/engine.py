@@ -412,8 +412,12 @@ class Engine:
         """Make sequence seq start from the first num_rows (default: all) cached rows of source's sequence
         source_seq, the other sequences untouched: one copy per request, never per token (continuous batching)."""
         rows = source.kv.valid_block(source_seq)  # [T, n, D]
+        self.load_rows(seq, rows if num_rows is None else rows[:, :num_rows])
+
+    def load_rows(self, seq: int, rows: np.ndarray) -> None:
+        """Make sequence seq start from these cached rows [T, n, D] (another cache's, or saved ones: slots.py)."""
         self.kv.clear(seq)
-        self.kv.load(seq, rows if num_rows is None else rows[:, :num_rows])
+        self.kv.load(seq, rows)
 
     def decode_batch(self, token_ids: np.ndarray, *, active: np.ndarray,
                      previous: np.ndarray | None = None) -> np.ndarray:

@@ -94,6 +94,12 @@ class Generator:
         self.engine.load_row(0, engine, source_seq=row, num_rows=len(token_ids))
         self.tokens.extend(token_ids)
 
+    def restore(self, token_ids: list[int], rows: np.ndarray) -> None:
+        """Start from saved KV rows [T, n, D] of these n tokens (slots.py): one copy."""
+        self.reset()
+        self.engine.load_rows(0, rows)
+        self.tokens.extend(token_ids)
+
     # -- what a speculator needs -------------------------------------------------------------
     @property
     def pending_token(self) -> int | None:

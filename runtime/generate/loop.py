@@ -19,6 +19,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import ContextFull, Overflow
@@ -34,6 +37,7 @@ from staticlm.runtime.generate.sequence_request import (
     Finished,
     SequenceRequest,
 )
+from staticlm.runtime.generate.slots import Prefix
 from staticlm.runtime.generate.text_stream import FinishReason
 
 
@@ -302,6 +306,50 @@ class GenerationLoop:
         for request in self.scheduler.waiting():
             if request.cancelled and self.scheduler.drop_waiting(request):
                 _cancelled(request, now=now)
+
+    # -- the prompt cache across restarts (slots.py); on the engine's thread, or while it does not step ----------
+    @property
+    def max_saved_prefixes(self) -> int:
+        """How many prefixes the cache holds: one per row that keeps its prompt, else the lane's one."""
+        return self.num_rows if self.rows.keeps_prefixes else 1
+
+    def cached_prefixes(self) -> list[Prefix]:
+        """What the prompt cache holds, least recently used first: each free row's tokens, then the lane's (its
+        KV read only when asked, before the next step)."""
+        if not self.use_cache:
+            return []
+        out = []
+        if self.rows.keeps_prefixes:
+            for r in self.cache.cached_rows(self.scheduler.free_rows()):
+                out.append(Prefix(list(self.cache.tokens(r)), partial(self.rows.engine.kv.valid_block, r)))
+        lane, ids = self.lane, list(self.lane.tokens)
+        synced = ids and not lane.dropped and lane.engine.num_cached == len(ids)
+        if synced and not any(common_prefix(p.token_ids, ids) == len(ids) for p in out):
+            out.append(Prefix(ids, self._lane_rows))
+        return out[-self.max_saved_prefixes:]
+
+    def _lane_rows(self) -> np.ndarray | None:
+        """[T, n, D] the lane's cached rows; None when its local layers kept only their newest (layered.py)."""
+        try:
+            return self.lane.engine.kv.valid_block(0)
+        except ValueError:
+            return None
+
+    def restore_prefixes(self, prefixes: list[tuple[list[int], np.ndarray]]) -> int:
+        """Saved (token ids, KV rows [T, n, D]), least recently used first, into the free rows (or the lane when
+        rows keep no prompt): later prompts with these prefixes skip their prefill. Returns how many it took."""
+        if not self.use_cache or not prefixes:
+            return 0
+        if not self.rows.keeps_prefixes:
+            ids, kv = prefixes[-1]
+            self.lane.restore(ids, kv)
+            return 1
+        rows = self.scheduler.free_rows()
+        taken = prefixes[-len(rows):]
+        for r, (ids, kv) in zip(rows, taken, strict=False):
+            self.rows.engine.load_rows(r, kv)
+            self.cache.store(r, ids)
+        return len(taken)
 
     # -- for /health and /metrics ----------------------------------------------------------------------
     def status(self) -> dict[str, int]:

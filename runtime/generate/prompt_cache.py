@@ -72,6 +72,10 @@ class PromptCache:
         order = sorted(free, key=lambda r: (r != prefer, bool(self._tokens[r]), self._used[r]))
         return order[:num]
 
+    def cached_rows(self, rows: Sequence[int]) -> list[int]:
+        """Those of `rows` that hold a cached prefix, least recently used first."""
+        return sorted((r for r in rows if self._tokens[r]), key=lambda r: self._used[r])
+
     @property
     def num_cached_rows(self) -> int:
         return sum(bool(t) for t in self._tokens)

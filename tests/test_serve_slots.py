@@ -1,0 +1,197 @@
+"""`staticlm serve --cache-dir`: the prompt cache saved to disk and loaded back by a new model and loop (slots.py).
+
+The reference for every answer is a cold run on a model that never saw the cache: a restart must give the same
+greedy tokens while reporting the saved prefix as cached."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import build_tiny_hf, export_in_place
+
+PARAMS_KW = {"max_new_tokens": 10, "ignore_eos": True}
+TEXTS = ("abcabc abd zz top " * 4, "The cat sat on the mat. " * 3, "q r s t u v w x y z " * 3)
+
+
+def _open(family: Path):
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
+
+    return Model.open(family, RunOptions(device="cpu", num_threads=2))
+
+
+def _store(model, directory: Path, **kw):
+    from staticlm.runtime.generate.slots import SlotStore
+
+    return SlotStore.for_engine(directory, model.engine, max_entries=model.loop.max_saved_prefixes, **kw)
+
+
+def _answer(loop, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """Submit the prompts together and step until all end: per prompt, (cached tokens, its greedy tokens)."""
+    from staticlm.runtime.generate.sequence_request import Admitted, Finished, SequenceRequest
+    from staticlm.runtime.generate.text_stream import GenerationParams
+
+    events: list[list] = [[] for _ in prompts]
+    for ids, evs in zip(prompts, events):
+        loop.submit(SequenceRequest(prompt_ids=ids, params=GenerationParams(**PARAMS_KW), on_event=evs.append))
+    while loop.step():
+        pass
+    out = []
+    for evs in events:
+        [admitted] = [e for e in evs if isinstance(e, Admitted)]
+        [done] = [e for e in evs if isinstance(e, Finished)]
+        out.append((admitted.num_cached_tokens, list(done.token_ids)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(in_place_family) -> list[list[int]]:
+    tok = _open(in_place_family).tokenizer
+    return [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def cold(in_place_family, prompts) -> list[list[int]]:
+    """Each prompt's greedy tokens from an empty cache (the reference)."""
+    from staticlm.runtime.generate.text_stream import GenerationParams
+
+    model = _open(in_place_family)
+    want = []
+    for ids in prompts:
+        model.generator.reset()
+        want.append(model.generate(ids, GenerationParams(**PARAMS_KW)).token_ids)
+    return want
+
+
+@pytest.fixture(scope="module")
+def saved(in_place_family, prompts, cold, tmp_path_factory) -> Path:
+    """A cache dir saved by a loop that answered two prompts together (rows) and then one alone (the lane)."""
+    model = _open(in_place_family)
+    loop = model.open_loop(eager=True)
+    first = _answer(loop, prompts[:2]) + _answer(loop, prompts[2:])
+    assert [c for c, _ in first] == [0, 0, 0] and [t for _, t in first] == cold
+    directory = tmp_path_factory.mktemp("slots")
+    _store(model, directory).save(loop.cached_prefixes())
+    return directory
+
+
+def test_a_restart_answers_saved_prompts_from_the_cache_with_the_cold_tokens(in_place_family, prompts, cold,
+                                                                            saved, tmp_path):
+    files = sorted(saved.glob("*.slot"))
+    assert len(files) == 3 and not list(saved.glob(".*"))  # two rows and the lane, no temp file left
+    model, reference = _open(in_place_family), _open(in_place_family)
+    loop = model.open_loop(eager=True)
+    assert len(files) <= loop.max_saved_prefixes
+    assert loop.restore_prefixes(_store(model, saved).load()) == 3
+    for r in loop.cache.cached_rows(range(loop.num_rows)):  # each row holds the KV a prefill of its tokens gives
+        reference.generator.reset()
+        reference.generator.append_tokens(loop.cache.tokens(r))
+        np.testing.assert_allclose(loop.rows.engine.kv.valid_block(r), reference.engine.kv.valid_block(0),
+                                   rtol=1e-4, atol=1e-4)
+    again = _answer(loop, prompts)
+    for (cached, tokens), ids, want in zip(again, prompts, cold):
+        assert cached >= len(ids) - 1
+        assert tokens == want
+
+
+def test_saving_keeps_the_newest_entries_within_the_bound_and_deletes_only_its_own(in_place_family, saved, tmp_path):
+    from staticlm.runtime.generate.slots import Prefix
+
+    directory = tmp_path / "cache"
+    shutil.copytree(saved, directory)
+    (directory / "notes.txt").write_text("not ours")
+    model = _open(in_place_family)
+    loaded = _store(model, directory).load()
+    store = _store(model, directory)
+    store.max_entries = 2
+    store.save([Prefix(ids, lambda kv=kv: kv) for ids, kv in loaded])
+    names = sorted(p.name for p in directory.iterdir())
+    assert len([n for n in names if n.endswith(".slot")]) == 2 and "notes.txt" in names
+    assert [ids for ids, _ in store.load()] == [ids for ids, _ in loaded[-2:]]  # the two most recent, in order
+
+
+def test_a_damaged_stale_or_foreign_cache_file_is_ignored_with_one_line(in_place_family, prompts, cold, saved,
+                                                                         tmp_path, tmp_path_factory, monkeypatch,
+                                                                         capsys):
+    import staticlm.runtime.generate.slots as slots
+
+    directory = tmp_path / "cache"
+    shutil.copytree(saved, directory)
+    model = _open(in_place_family)
+    by_prompt = {tuple(ids): path for path in directory.glob("*.slot")
+                 for ids, _ in [slots.SlotStore._read(_store(model, directory), path)]}
+    [truncated] = [p for ids, p in by_prompt.items() if list(ids[:len(prompts[0])]) == prompts[0]]
+    [flipped] = [p for ids, p in by_prompt.items() if list(ids[:len(prompts[1])]) == prompts[1]]
+    truncated.write_bytes(truncated.read_bytes()[:truncated.stat().st_size // 2])
+    data = bytearray(flipped.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x40  # one bit inside the KV rows
+    flipped.write_bytes(bytes(data))
+
+    # another family: the same architecture with other weights, its file under this family's name
+    other_hf = tmp_path_factory.mktemp("other_hf")
+    build_tiny_hf(other_hf, seed=1)
+    other_model = _open(export_in_place(other_hf, tmp_path_factory.mktemp("other") / "family"))
+    other_loop = other_model.open_loop(eager=True)
+    _answer(other_loop, prompts[2:])
+    other_dir = tmp_path / "other_cache"
+    _store(other_model, other_dir).save(other_loop.cached_prefixes())
+    [foreign] = other_dir.glob("*.slot")
+    shutil.copy(foreign, directory / foreign.name)
+    shutil.copy(foreign, directory / f"{truncated.name[:17]}{'f' * 16}.slot")
+
+    # a file of an older slot format
+    monkeypatch.setattr(slots, "FORMAT_VERSION", 0)
+    old_store = _store(model, tmp_path / "old")
+    spec = model.engine.kv.spec
+    old_store.save([slots.Prefix([1, 2, 3], lambda: np.zeros((spec.num_tensors, 3, spec.head_dim), spec.dtype))])
+    monkeypatch.undo()
+    [old] = (tmp_path / "old").glob("*.slot")
+    shutil.copy(old, directory / old.name)
+
+    capsys.readouterr()
+    loaded = _store(model, directory).load()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 5, err  # truncated, flipped, the foreign file twice, the old format: one line each
+    assert sum("checksum" in line for line in err) == 2
+    assert sum("another model" in line for line in err) == 2
+    assert sum("format 0" in line for line in err) == 1
+    assert all(line.startswith("staticlm: warning: ") and line.endswith("; ignored") for line in err)
+    assert [ids[:len(prompts[2])] for ids, _ in loaded] == [prompts[2]]  # the one intact file of this family
+
+    loop = model.open_loop(eager=True)
+    assert loop.restore_prefixes(loaded) == 1
+    again = _answer(loop, prompts)
+    assert [c for c, _ in again][:2] == [0, 0] and again[2][0] >= len(prompts[2]) - 1
+    assert [t for _, t in again] == cold
+    assert truncated.exists() and flipped.exists()  # ignored, not deleted
+
+
+def test_cache_dir_options_are_checked_before_the_model_loads(tmp_path):
+    from staticlm.apps.serve.command import check_serve_options
+    from staticlm.apps.serve.options import ServeOptions
+    from staticlm.errors import InvalidOption
+
+    with pytest.raises(InvalidOption, match="--no-prompt-cache"):
+        check_serve_options(ServeOptions(cache_dir=tmp_path, prompt_cache=False))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidOption, match="not a directory"):
+        check_serve_options(ServeOptions(cache_dir=tmp_path / "file"))
+
+
+def test_a_restarted_server_reports_the_saved_prompt_as_cached(in_place_family, tmp_path):
+    import httpx
+    from serve_helpers import running_server
+
+    body = {"model": "family", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": "Read this: " + "zz top abd " * 12}]}
+    answers = []
+    for _ in range(2):
+        with running_server(in_place_family, "--cache-dir", str(tmp_path / "cache")) as base:
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
+            answers.append((r["choices"][0]["message"]["content"], r["usage"]))
+    (first, cold_usage), (second, usage) = answers
+    assert cold_usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    assert second == first
