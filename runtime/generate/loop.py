@@ -275,8 +275,14 @@ class GenerationLoop:
         if text or seq.unsent_ids:
             self._send(seq, text, now=now)
         ids = seq.stream.ids
-        if self.use_cache and self.rows.keeps_prefixes and not seq.solo:  # (the lane keeps a lone sequence's KV)
-            self.cache.store(row, seq.request.prompt_ids + ids[:seq.num_fed])
+        cached = seq.request.prompt_ids + ids[:seq.num_fed]
+        keeps = self.use_cache and self.rows.keeps_prefixes
+        # A lone sequence's row gets one copy of its KV, where rows are open: the lane's lasts to the next prompt only
+        copied = keeps and seq.solo and self.rows.opened and self.lane.tokens == cached
+        if copied:
+            self.rows.load([row], self.lane.engine)
+        if keeps and (copied or not seq.solo):
+            self.cache.store(row, cached)
         else:
             self.cache.forget(row)
         self.scheduler.release(row)

@@ -46,6 +46,10 @@ class Rows:
         return self.kind is not None
 
     @property
+    def opened(self) -> bool:
+        return self._engine is not None
+
+    @property
     def keeps_prefixes(self) -> bool:
         """Whether each row holds its own prompt (the prompt cache's rows)."""
         return self.kind == "copies"
