@@ -372,7 +372,7 @@ class Engine:
         ids = np.asarray(token_ids, dtype=np.int64)
         self.check_room(ids.size)
         out = np.empty((ids.size, self.config.vocab_size), np.float32)  # once per call, not per token
-        scoring = self._verify[self.verify_lens[-1]] if self.verify_lens else ()  # the longest all-rows AR
+        scoring = self._verify[max(self._verify)] if self._verify else ()  # the longest exported all-rows AR
         start = 0
         if self._sink and self.num_cached == 0 and ids.size:
             out[0], start = self._step(self._sink[0], ids[:1]), 1
