@@ -152,6 +152,18 @@ def smollm2_family(smollm2_loaded, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_cpu_family(smollm2_loaded, tmp_path_factory) -> Path:
+    """The default model as `--target cpu` writes it (one in-place graph for every shape), a 512-token context."""
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.family import ExportOptions
+
+    out = tmp_path_factory.mktemp("smollm2_cpu") / "family"
+    export_cpu_family(smollm2_loaded, out, options=ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(4, 8),
+                                                                 batch_sizes=(4,)))
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_small_family(smollm2_loaded, tmp_path_factory) -> Path:
     """Small contexts, so a 64-token answer fills the window and forces compaction at reserve 1.5."""
     from staticlm.export.family import ExportOptions, export_family

@@ -336,17 +336,15 @@ def test_window_strategy_on_an_in_place_family_is_a_one_line_error(cpu_families)
 
 # -- SmolLM2 ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_int4_top1_agrees_with_float_on_the_eval_text(smollm2_loaded, tmp_path):
-    from staticlm.export.cpu.family import export_cpu_family
+def test_smollm2_int4_top1_agrees_with_float_on_the_eval_text(smollm2_loaded, smollm2_cpu_family, tmp_path):
     from staticlm.export.family import ExportOptions, export_family
     from staticlm.runtime.model import open_tokenizer
 
     options = ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(), batch_sizes=())
     export_family(smollm2_loaded, tmp_path / "float", options=options)
-    export_cpu_family(smollm2_loaded, tmp_path / "int4", options=options)
     text = (Path(__file__).parents[1] / "apps" / "data" / "eval_en.txt").read_text()
     ids = np.asarray(open_tokenizer(tmp_path / "float").encode(text)[:320])
-    ref, got = engine(tmp_path / "float").score(ids), engine(tmp_path / "int4").score(ids)
+    ref, got = engine(tmp_path / "float").score(ids), engine(smollm2_cpu_family).score(ids)
     agree = (ref.argmax(-1) == got.argmax(-1)).mean()
     assert agree >= 0.90, agree
 

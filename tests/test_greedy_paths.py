@@ -27,18 +27,6 @@ PARAMS = GenerationParams(max_new_tokens=32, ignore_eos=True)
 NUM_PROMPTS = 6
 
 
-@pytest.fixture(scope="module")
-def smollm2_cpu_family(smollm2_loaded, tmp_path_factory) -> Path:
-    """The default model as `--target cpu` writes it (one in-place graph for every shape), small contexts."""
-    from staticlm.export.cpu.family import export_cpu_family
-    from staticlm.export.family import ExportOptions
-
-    out = tmp_path_factory.mktemp("greedy_paths") / "family"
-    export_cpu_family(smollm2_loaded, out, options=ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(4, 8),
-                                                                 batch_sizes=(4,)))
-    return out
-
-
 def _model(family, **engine):
     cpu = DeviceOptions(device=Device.CPU, num_threads=2)
     return model_of(Engine(family, options=EngineOptions(device=cpu, **engine)))
