@@ -170,3 +170,25 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_reason(monkeypatch, tmp_
     monkeypatch.setitem(bench_peers.PEER_MODULES, Peer.TRANSFORMERS, ("no_such_module_for_staticlm",))
     with pytest.raises(bench_peers.PeerUnavailable, match="not installed"):
         bench_peers.prepare(Peer.TRANSFORMERS, gguf=tmp_path / "x.gguf", log=print)
+
+
+def test_llamacpp_reads_the_files_tensors_and_its_f16_kv(smollm2_gguf):
+    """The peer's side of the bandwidth rows: the file's tensor bytes (SmolLM2 ties its head to the token table,
+    so the table counts) and 2 bytes per K/V element, layout read from the file's own metadata."""
+    from gguf import GGUFReader
+
+    from staticlm.apps.bench.traffic import gguf_decode_bytes
+
+    fields = GGUFReader(str(smollm2_gguf)).fields
+
+    def value(key):
+        return int(fields[key].parts[fields[key].data[0]][0])
+
+    num_layers, num_heads = value("llama.block_count"), value("llama.attention.head_count")
+    num_kv_heads, head_dim = value("llama.attention.head_count_kv"), value("llama.embedding_length") // num_heads
+    weights = gguf_decode_bytes(smollm2_gguf, 0, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    size = smollm2_gguf.stat().st_size
+    assert size - 8_000_000 < weights < size  # all but the header and its tokenizer
+    ten_rows = gguf_decode_bytes(smollm2_gguf, 10, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                 head_dim=head_dim)
+    assert ten_rows - weights == 2 * num_layers * num_kv_heads * head_dim * 2 * 10

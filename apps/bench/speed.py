@@ -13,7 +13,7 @@ from staticlm.runtime.generate.prompt_cache import common_prefix
 
 from .base import BenchContext, Row
 from .peers import PeerModel, PeerUnavailable, prepare, run_worker
-from .traffic import decode_weight_bytes, kv_read_bytes, read_bandwidth
+from .traffic import decode_weight_bytes, gguf_decode_bytes, kv_read_bytes, read_bandwidth
 
 MB = 1e6
 
@@ -103,18 +103,27 @@ def bench_speed(ctx: BenchContext) -> list[Row]:
             results[name] = _best(results.get(name), result)
     ours = results.pop("staticlm")
     ctx.extra["speed_raw"] = {"staticlm": ours, **results}
-    return _rows(ours, results, ctx) + _traffic_rows(ours, ctx)
+    return _rows(ours, results, ctx) + _traffic_rows(ours, results.get("llamacpp"), ctx, gguf=gguf)
 
 
-def _traffic_rows(ours: dict, ctx: BenchContext) -> list[Row]:
-    """Bytes per decode step, the rate they were read at, and the host's read bandwidth (traffic.py)."""
+def _traffic_rows(ours: dict, llamacpp: dict | None, ctx: BenchContext, *, gguf: Path | None) -> list[Row]:
+    """Bytes per decode step, the rate they were read at, and the host's read bandwidth (traffic.py); llama.cpp's
+    bytes from the GGUF it runs, where it ran."""
     rows, weights = [], decode_weight_bytes(ctx.model_dir)
-    for c in (ctx.contexts[0], ctx.contexts[-1]):
+    cfg = load_manifest(ctx.model_dir).model
+    for c in dict.fromkeys((ctx.contexts[0], ctx.contexts[-1])):
         num_bytes = weights + kv_read_bytes(ctx.model_dir, c)
-        rows += [Row(f"decode_bytes@{c}", f"bytes read per decode step, context {c}", "MB", num_bytes / MB,
-                     higher_is_better=False, note="weights the decode graph multiplies, plus the cached K/V"),
-                 Row(f"decode_read_rate@{c}", f"read rate while decoding, context {c}", "GB/s",
-                     num_bytes * ours["decode_tok_s"][str(c)] / 1e9)]
+        bytes_row = Row(f"decode_bytes@{c}", f"bytes read per decode step, context {c}", "MB", num_bytes / MB,
+                        higher_is_better=False, note="weights the decode graph multiplies, plus the cached K/V")
+        rate_row = Row(f"decode_read_rate@{c}", f"read rate while decoding, context {c}", "GB/s",
+                       num_bytes * ours["decode_tok_s"][str(c)] / 1e9)
+        if llamacpp is not None and gguf is not None:
+            theirs = gguf_decode_bytes(gguf, c, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                       head_dim=cfg.head_dim)
+            bytes_row.peers["llamacpp"] = theirs / MB
+            rate_row.peers["llamacpp"] = theirs * llamacpp["decode_tok_s"][str(c)] / 1e9
+            bytes_row.note += "; llama.cpp: the file's tensors but the token table, plus f16 K/V"
+        rows += [bytes_row, rate_row]
     rows.append(Row("host_read_bandwidth", f"host read bandwidth, {ctx.options.threads} threads", "GB/s",
                     read_bandwidth(ctx.options.threads) / 1e9, note="numpy sums over 256 MB, best of 5"))
     return rows

@@ -39,6 +39,18 @@ def kv_read_bytes(model_dir: Path, num_rows: int) -> int:
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(manifest.kv_dtype).itemsize * num_rows
 
 
+def gguf_decode_bytes(path: Path, num_rows: int, *, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """What llama.cpp reads per decode step from the same file: every tensor's bytes but the token table (gathered
+    by row), or the table itself when the file has no `output.weight` and the table is read as the head; plus its
+    float16 K/V of num_rows rows."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    table = tensors.pop("token_embd.weight", 0)
+    weights = sum(tensors.values()) + (0 if "output.weight" in tensors else table)
+    return weights + 2 * num_layers * num_kv_heads * head_dim * 2 * num_rows
+
+
 def read_bandwidth(num_threads: int, *, num_repeats: int = 5) -> float:
     """Best bytes/s of summing a 256 MB float32 array split across num_threads threads (numpy releases the GIL)."""
     data = np.ones(PROBE_BYTES // 4, np.float32)
