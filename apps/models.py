@@ -6,7 +6,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from staticlm.apps.commands.export import run_export
 from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
 from staticlm.errors import InvalidOption
 from staticlm.runtime.family.manifest import MANIFEST_NAME, read_manifest
@@ -31,6 +30,8 @@ def ensure_default_model(target: str | None = None, *, quiet: bool = False,
     if not quiet:
         print(f"First run: exporting the default model ({DEFAULT_MODEL}, --target {target}) to {out}",
               file=sys.stderr)
+    from staticlm.apps.commands.export import run_export  # the exporter loads only when something is exported
+
     # its Q4_1 minima folded on the CPU (export --grid-minima): within a few hundredths of a level step of exact, and
     # two nodes fewer per linear for every decode step of the model most runs use
     run_export(model=DEFAULT_MODEL, out_dir=out, target=target, quiet=quiet, on_progress=on_progress,
