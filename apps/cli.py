@@ -12,7 +12,6 @@ import sys
 from enum import Enum
 from pathlib import Path
 
-from staticlm.apps.commands.export_flags import add_export_options
 from staticlm.apps.interrupt import Interrupted
 from staticlm.apps.serve.options import REASONING_FORMATS, ServeOptions
 from staticlm.errors import UserError
@@ -50,10 +49,16 @@ def typed_run_options(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in run_option_fields() if hasattr(args, f.name)}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; given the command that runs, export's flags (which load the export options' table)
+    are added only when it is `export`."""
     parser = argparse.ArgumentParser(prog="staticlm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    add_export_options(sub.add_parser("export", help="export a model to a static-shape ONNX graph family"))
+    export = sub.add_parser("export", help="export a model to a static-shape ONNX graph family")
+    if command in (None, "export"):
+        from staticlm.apps.commands.export_flags import add_export_options
+
+        add_export_options(export)
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", dest="chat", action="store_true", default=True,
@@ -190,7 +195,8 @@ def dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(next((a for a in argv if not a.startswith("-")), None)).parse_args(argv)
     try:
         return dispatch(args)
     except (KeyboardInterrupt, Interrupted) as e:

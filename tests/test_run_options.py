@@ -108,7 +108,8 @@ def test_chat_applies_every_run_option(tiny_chat_family, monkeypatch, capsys):
         except StopIteration:
             raise EOFError from None
 
-    monkeypatch.setattr(cli, "run_chat", lambda **kw: chat.run_chat(input_fn=read, **kw))
+    run_chat = chat.run_chat
+    monkeypatch.setattr(chat, "run_chat", lambda **kw: run_chat(input_fn=read, **kw))
     assert cli.main(["chat", "--model", str(tiny_chat_family), *argv_for(RUNNABLE)]) == 0
     expected = RunOptions(model_dir=tiny_chat_family, **RUNNABLE)
     assert_reached(recorder, expected)
