@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from staticlm.kv_manager.sizing import choose_bmc_r
@@ -172,23 +173,26 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_reason(monkeypatch, tmp_
         bench_peers.prepare(Peer.TRANSFORMERS, gguf=tmp_path / "x.gguf", log=print)
 
 
-def test_llamacpp_reads_the_files_tensors_and_its_f16_kv(smollm2_gguf):
-    """The peer's side of the bandwidth rows: the file's tensor bytes (SmolLM2 ties its head to the token table,
-    so the table counts) and 2 bytes per K/V element, layout read from the file's own metadata."""
-    from gguf import GGUFReader
+@pytest.mark.parametrize("tied", [True, False])
+def test_llamacpp_reads_the_files_tensors_and_its_f16_kv(tmp_path, tied):
+    """The peer's side of the bandwidth rows: every tensor of the file but the token table, which it gathers by
+    row, unless the file has no head of its own and the table is read as the head; plus 2 bytes per K/V element."""
+    import gguf
 
     from staticlm.apps.bench.traffic import gguf_decode_bytes
 
-    fields = GGUFReader(str(smollm2_gguf)).fields
-
-    def value(key):
-        return int(fields[key].parts[fields[key].data[0]][0])
-
-    num_layers, num_heads = value("llama.block_count"), value("llama.attention.head_count")
-    num_kv_heads, head_dim = value("llama.attention.head_count_kv"), value("llama.embedding_length") // num_heads
-    weights = gguf_decode_bytes(smollm2_gguf, 0, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    size = smollm2_gguf.stat().st_size
-    assert size - 8_000_000 < weights < size  # all but the header and its tokenizer
-    ten_rows = gguf_decode_bytes(smollm2_gguf, 10, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                                 head_dim=head_dim)
-    assert ten_rows - weights == 2 * num_layers * num_kv_heads * head_dim * 2 * 10
+    tensors = {"token_embd.weight": np.ones((64, 16), np.float32), "blk.0.attn_q.weight": np.ones((16, 16), np.float16),
+               "output_norm.weight": np.ones(16, np.float32)}
+    if not tied:
+        tensors["output.weight"] = np.ones((64, 16), np.float16)
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = sum(v.nbytes for name, v in tensors.items() if name != "token_embd.weight" or tied)
+    assert gguf_decode_bytes(path, 0, num_layers=3, num_kv_heads=2, head_dim=8) == read
+    assert gguf_decode_bytes(path, 10, num_layers=3, num_kv_heads=2, head_dim=8) == read + 2 * 3 * 2 * 8 * 2 * 10

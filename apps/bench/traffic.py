@@ -3,6 +3,7 @@ the bytes one decode step reads (every weight the decode graph multiplies, plus 
 and this host's read bandwidth (numpy sums over a 256 MB array, one thread per core)."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -43,12 +44,16 @@ def gguf_decode_bytes(path: Path, num_rows: int, *, num_layers: int, num_kv_head
     """What llama.cpp reads per decode step from the same file: every tensor's bytes but the token table (gathered
     by row), or the table itself when the file has no `output.weight` and the table is read as the head; plus its
     float16 K/V of num_rows rows."""
+    return _gguf_weight_bytes(str(path)) + 2 * num_layers * num_kv_heads * head_dim * 2 * num_rows
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_weight_bytes(path: str) -> int:
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}  # reads the header and its metadata
     table = tensors.pop("token_embd.weight", 0)
-    weights = sum(tensors.values()) + (0 if "output.weight" in tensors else table)
-    return weights + 2 * num_layers * num_kv_heads * head_dim * 2 * num_rows
+    return sum(tensors.values()) + (0 if "output.weight" in tensors else table)
 
 
 def read_bandwidth(num_threads: int, *, num_repeats: int = 5) -> float:
