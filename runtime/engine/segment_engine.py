@@ -16,11 +16,13 @@ import numpy as np
 
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow
 from staticlm.kv_manager.segments import SEGMENT_STEP, ResponseCache, SegmentKV
-from staticlm.runtime.engine.engine import Engine, StepCounters
+from staticlm.runtime.engine import steps
+from staticlm.runtime.engine.engine import Engine
 from staticlm.runtime.engine.ladder import rung_past_len
 from staticlm.runtime.engine.runner import FamilyContext
 from staticlm.runtime.engine.segment_layout import segment_layout
 from staticlm.runtime.engine.segment_runner import SegmentRunner
+from staticlm.runtime.engine.steps import StepCounters
 from staticlm.runtime.family.contract import Role
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest
 from staticlm.runtime.session.sessions import GraphSessions
@@ -142,17 +144,8 @@ class SegmentEngine:
         return None
 
     def verify(self, token_ids, *, num_real: np.ndarray | None = None) -> np.ndarray:
-        """Score [B, n] tokens in one call, committing nothing (Engine.verify); logits [B, n, V]."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        n = ids.shape[-1]
-        ar = self.verify_len(n)
-        if ar is None:
-            raise ValueError(f"no segmented verify graph takes {n} tokens at {self.num_cached} cached")
-        t0 = time.perf_counter()
-        logits = self._run(ar, ids)[:, :n]
-        self.counters.add_verify(ar=ar, num_rows=ar * self.batch, seconds=time.perf_counter() - t0,
-                                 num_tokens=int(num_real.sum()) if num_real is not None else ids.size)
-        return logits
+        """Score [B, n] tokens in one call, committing nothing (steps.verify); logits [B, n, V]."""
+        return steps.verify(self, token_ids, num_real=num_real, run=self._run)
 
     def verify_cost_ratio(self, ar: int | None) -> float | None:
         return self.counters.verify_cost_ratio(ar)
