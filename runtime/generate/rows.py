@@ -37,6 +37,7 @@ class Rows:
                             else f"{lane.model_dir} has no batched graphs for several responses: export it with "
                             "--batch-sizes")
         self._engine: Engine | SegmentEngine | None = None
+        self._step = _StepInputs(self.num_rows)
         self.speculator = None
         if eager and self.kind is not None:
             self.open()
@@ -100,22 +101,45 @@ class Rows:
             self._engine.reset()
 
     def step(self, seqs: dict[int, RunningSequence]) -> dict[int, list[int] | np.ndarray]:
-        """Run every sequence's pending token: per row, the speculated tokens, or its logits [V] to choose from."""
-        engine = self.engine
-        active = np.zeros(self.num_rows, bool)  # [B]
-        pending = np.full(self.num_rows, next(iter(seqs.values())).pending, np.int64)  # [B] (idle rows: any id)
-        previous = pending.copy()  # [B] the last token each row's KV holds
+        """Run every sequence's pending token: per row, the speculated tokens, or its logits [V] to choose from
+        (the dict and the logits are reused by the next step)."""
+        engine, step = self.engine, self._step
+        step.active[:] = False
+        step.pending[:] = step.previous[:] = next(iter(seqs.values())).pending  # idle rows: any id
         for r, seq in seqs.items():
-            active[r], pending[r], previous[r] = True, seq.pending, seq.previous
+            step.active[r], step.pending[r], step.previous[r] = True, seq.pending, seq.previous
+        out = step.out
+        out.clear()
         if self.speculator is not None and all(s.plain for s in seqs.values()):
-            contexts = [seqs[r].history if r in seqs else [] for r in range(self.num_rows)]
-            params = [seqs[r].request.params.sampling if r in seqs else None for r in range(self.num_rows)]
-            rngs = [seqs[r].rng if r in seqs else None for r in range(self.num_rows)]
-            out = self.speculator.step(engine, pending, active=active, contexts=contexts, params=params, rngs=rngs)
-            if out is not None:
-                return {r: out[r] for r in seqs}
-        logits = engine.decode_batch(pending, active=active, previous=previous)  # [B, V]
-        return {r: logits[r] for r in seqs}
+            for r in range(self.num_rows):
+                seq = seqs.get(r)
+                step.contexts[r] = seq.history if seq is not None else _NO_CONTEXT
+                step.params[r] = seq.request.params.sampling if seq is not None else None
+                step.rngs[r] = seq.rng if seq is not None else None
+            tokens = self.speculator.step(engine, step.pending, active=step.active, contexts=step.contexts,
+                                          params=step.params, rngs=step.rngs)
+            if tokens is not None:
+                out.update((r, tokens[r]) for r in seqs)
+                return out
+        logits = engine.decode_batch(step.pending, active=step.active, previous=step.previous)  # [B, V]
+        out.update((r, logits[r]) for r in seqs)
+        return out
+
+
+_NO_CONTEXT: list[int] = []  # an idle row's context (the speculator drafts nothing for it)
+
+
+class _StepInputs:
+    """What every step hands the engine, allocated once per Rows (no per-step arrays or lists)."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.active = np.zeros(num_rows, bool)  # [B] rows that hold a sequence
+        self.pending = np.zeros(num_rows, np.int64)  # [B] each row's token to feed
+        self.previous = np.zeros(num_rows, np.int64)  # [B] the last token each row's KV holds
+        self.contexts: list[list[int]] = [_NO_CONTEXT] * num_rows  # the speculator's view of each row
+        self.params: list = [None] * num_rows
+        self.rngs: list = [None] * num_rows
+        self.out: dict[int, list[int] | np.ndarray] = {}
 
 
 __all__ = ["Rows"]
