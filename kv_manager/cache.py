@@ -126,6 +126,11 @@ class KVCache:
         """[T, B] int64 addresses of every window, for the binding table."""
         return self._tb_addresses + (self.ends - past_len) * self._row_stride
 
+    def prefix_window_addresses(self, past_len: int, num_rows: int) -> np.ndarray:
+        """[T, B] int64 addresses of windows of past_len rows that end after each sequence's first num_rows valid
+        rows (rows a sequence holds beyond them are left out: a prompt segment shared by several requests)."""
+        return self._tb_addresses + (self.ends - self.lengths + num_rows - past_len) * self._row_stride
+
     def slot_addresses(self, ar: int) -> np.ndarray:
         """[T, B] int64 addresses of every slot."""
         return self._tb_addresses + self.ends * self._row_stride

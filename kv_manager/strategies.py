@@ -80,6 +80,7 @@ class ShiftCache(KVCache):
         for b in np.flatnonzero(num_removed).tolist():
             length = int(self.lengths[b])
             self._move_rows(b, src=end - int(num_removed[b]) - length, dst=end - length, num_rows=length)
+            self.stats.num_compactions += 1
         self.ends[:] = end
 
 

@@ -4,6 +4,12 @@ A waiting request that fits reserves its rows (scheduler.py), then its prompt is
 per loop step, from the longest prefix the prompt cache holds (prompt_cache.py: the lane's own, or a row's copied
 in once). When the prompt is in, its choices take their rows: copies of the lane's KV, or its prompt segment read
 in place (rows.py), or, for a lone sequence, the lane itself.
+
+Rows that read one prompt segment (rows.py, segments) take a request while they decode only if its prompt extends
+the segment: the lane's first rows, which no prefill may change while a row reads them (the lane prefills the
+newcomer's rest after them, and its rows copy just that rest). The segment is chosen when rows start reading it:
+the prefix the first request shares with a waiting one (at least MIN_SHARED_PREFIX tokens), or with the lone
+sequence it joins on the lane, else the whole first prompt (its choices share it).
 """
 from __future__ import annotations
 
@@ -17,6 +23,20 @@ from staticlm.runtime.generate.running import RunningSequence, new_sequences
 from staticlm.runtime.generate.scheduler import RowScheduler
 from staticlm.runtime.generate.sequence_request import Admitted, Failed, Finished, SequenceRequest
 from staticlm.runtime.generate.text_stream import FinishReason
+
+# A prompt segment read in place is worth sharing from this many common tokens: one step of the response buffer
+# (kv_manager/segments.py), which a row's own copy of them would take anyway.
+MIN_SHARED_PREFIX = 16
+
+
+def extends(prompt: list[int], segment: list[int]) -> bool:
+    """Whether a prompt starts with the segment and has a token after it (to give its own next-token logits)."""
+    return len(prompt) > len(segment) and prompt[:len(segment)] == segment
+
+
+def shared_prefix(tokens: list[int], prompt: list[int]) -> int:
+    """The longest segment of tokens that prompt extends."""
+    return min(common_prefix(tokens, prompt), len(prompt) - 1)
 
 
 @dataclass(eq=False)
@@ -45,12 +65,26 @@ class Admissions:
 
     def schedule(self) -> bool:
         """Waiting requests that fit take their rows; their prompts queue for the lane."""
-        if not self.rows.admits_while_busy and (self.scheduler.busy_rows() or self.pending):
-            return False
-        admissible = self.scheduler.admissible()
+        admissible = self._admissible_on_segment() if self.rows.shares_segment else self.scheduler.admissible()
         for request, num_rows in admissible:
             self.pending.append(Admission(request, num_rows))
         return bool(admissible)
+
+    def _admissible_on_segment(self) -> list[tuple[SequenceRequest, int]]:
+        """Rows that read one prompt segment: while it is bound, the requests that extend it; else one request, and
+        beside a lone sequence on the lane only one sharing at least MIN_SHARED_PREFIX tokens with it."""
+        segment, scheduler = self.rows.segment, self.scheduler
+        reading = any(not scheduler.occupant(r).solo for r in scheduler.busy_rows())
+        if segment is not None and not reading and not self.pending:
+            self.rows.unbind_segment()  # nobody reads it, nobody was admitted against it
+            segment = None
+        if segment is not None:
+            return scheduler.admissible(accepts=lambda r: self.use_cache and extends(r.prompt_ids, segment))
+        if self.pending or reading:
+            return []  # the segment is chosen when that request's rows start reading it
+        alone = bool(scheduler.busy_rows())  # a lone sequence decodes on the lane
+        return scheduler.admissible(max_requests=1, accepts=lambda r: not alone or (
+            self.use_cache and shared_prefix(self.lane.tokens, r.prompt_ids) >= MIN_SHARED_PREFIX))
 
     def prefill_chunk(self) -> tuple[bool, Admission | None]:
         """One chunk of the oldest admitted prompt on the lane (the whole rest when no row waits on it); returns
@@ -60,7 +94,7 @@ class Admissions:
         adm = self.pending[0]
         try:
             if adm.todo is None:
-                self.migrate_solo()  # the lane is needed: a lone sequence moves into its row
+                self.migrate_solo(for_prompt=adm.request.prompt_ids)  # the lane is needed: a lone one moves out
                 adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
             busy = any(not self.scheduler.occupant(r).solo for r in self.scheduler.busy_rows())
             take = min(len(adm.todo), self.model.engine.prefill_len) if busy else len(adm.todo)
@@ -70,7 +104,10 @@ class Admissions:
         except Exception as e:  # noqa: BLE001 -- the request fails, the loop keeps serving
             self.pending.popleft()
             self.scheduler.unreserve(adm.num_rows)
-            self.lane.reset()  # whatever the prefill left is unknown
+            if self.rows.segment is not None:  # what the prefill left after the segment is unknown
+                self.lane.rewind_to(len(self.rows.segment))
+            else:
+                self.lane.reset()
             adm.request.on_event(Failed(e))
             return True, None
         if adm.todo:
@@ -81,6 +118,8 @@ class Admissions:
     def _start(self, request: SequenceRequest) -> tuple[list[int], int, int | None]:
         """Rewind the lane to the longest cached prefix of the prompt (its own, or a row's copied in once)."""
         ids, lane, source = request.prompt_ids, self.lane, None
+        if self.rows.segment is not None and not extends(ids, self.rows.segment):  # _admissible_on_segment's rule
+            raise RuntimeError("a prompt that does not extend the bound segment would overwrite the rows it reads")
         if not self.use_cache:
             lane.reset()
         elif self.rows.keeps_prefixes:
@@ -113,15 +152,33 @@ class Admissions:
             self.cache.forget(r)
             seq.solo = solo
             self.scheduler.occupy(r, seq)
+        if self.rows.shares_segment and solo:
+            self.rows.unbind_segment()  # no row reads it (busy rows would have made this one a row too)
+        elif self.rows.shares_segment and self.rows.segment is None:
+            self._bind_segment(self._segment_len(request.prompt_ids))
         if not solo:
             self.rows.load(rows, self.lane.engine)
         return rows, seqs
 
-    def migrate_solo(self) -> None:
-        """A sequence decoding alone on the lane moves into its row: one copy of its KV."""
+    def _segment_len(self, prompt: list[int]) -> int:
+        """The segment of a prompt on the lane whose choices start the rows: the prefix a waiting request shares
+        with it, or else all of it."""
+        shared = max((shared_prefix(prompt, r.prompt_ids) for r in self.scheduler.waiting()), default=0)
+        return shared if self.use_cache and shared >= MIN_SHARED_PREFIX else len(prompt)
+
+    def _bind_segment(self, num_tokens: int) -> None:
+        self.rows.bind_segment(self.lane.engine, self.lane.tokens[:num_tokens])
+
+    def migrate_solo(self, *, for_prompt: list[int] | None = None) -> None:
+        """A sequence decoding alone on the lane moves into its row: one copy of its KV (rows that read a prompt
+        segment: of its rows after the prefix it shares with for_prompt, the prompt about to join it)."""
         for r in self.scheduler.busy_rows():
             seq = self.scheduler.occupant(r)
             if seq.solo and self.rows.available:
+                if self.rows.shares_segment:
+                    tokens = self.lane.tokens
+                    shared = shared_prefix(tokens, for_prompt) if for_prompt is not None else 0
+                    self._bind_segment(shared if shared >= MIN_SHARED_PREFIX else len(tokens))
                 self.rows.load([r], self.lane.engine)
                 seq.solo = False
 

@@ -3,8 +3,10 @@
 Two kinds, chosen from the family (loop.py calls them the same way):
 - copies: a batched Engine over the lane's weights; each row gets its own copy of its prompt's KV once
   (`load_row`), so requests join and leave at any step and a finished row's KV serves the prompt cache;
-- segments: the family's segmented graphs read the lane's prompt KV in place (segment_engine.py): one request's
-  choices at a time, the prompt held once. An HTP family's batched graphs are all of this kind; a cpu family
+- segments: the family's segmented graphs read the lane's prompt KV in place (segment_engine.py): the prompt
+  segment, the lane's first rows, held once; each row holds only what its request adds after it (the rest of its
+  prompt, copied once, and its answer). A request's choices share it, and so do requests whose prompts extend it
+  (a cached prefix: admission.py decides which). An HTP family's batched graphs are all of this kind; a cpu family
   uses them when `--shared-prompt-kv` asks.
 A family with neither has no rows: every sequence decodes on the lane, one at a time.
 """
@@ -37,6 +39,7 @@ class Rows:
                             else f"{lane.model_dir} has no batched graphs for several responses: export it with "
                             "--batch-sizes")
         self._engine: Engine | SegmentEngine | None = None
+        self.segment: list[int] | None = None  # segments: the tokens of the prompt segment the rows read, if bound
         self._step = _StepInputs(self.num_rows)
         self.speculator = None
         if eager and self.kind is not None:
@@ -56,9 +59,18 @@ class Rows:
         return self.kind == "copies"
 
     @property
-    def admits_while_busy(self) -> bool:
-        """Whether a request may join while others decode (a prompt segment serves one request at a time)."""
-        return self.kind != "segments"
+    def shares_segment(self) -> bool:
+        """Whether the rows read one prompt segment (a request joins busy rows only if its prompt extends it)."""
+        return self.kind == "segments"
+
+    def bind_segment(self, lane: Engine, tokens: list[int]) -> None:
+        """The lane's first len(tokens) cached rows (these tokens) become the prompt segment; every row empties."""
+        self.engine.bind(lane, num_prompt=len(tokens))
+        self.segment = list(tokens)
+
+    def unbind_segment(self) -> None:
+        """No row reads the segment any more: the lane may change any of its rows."""
+        self.segment = None
 
     @property
     def engine(self) -> Engine | SegmentEngine:
@@ -89,14 +101,19 @@ class Rows:
         return 0 if self._engine is None else int(self._engine.kv.stats.copied_bytes)
 
     def load(self, rows: list[int], lane: Engine) -> None:
-        """The lane's cached rows become these rows' start: one copy per row (copies) or none (segments)."""
+        """The lane's cached rows become these rows' start: one copy per row (copies), or the rows after the bound
+        prompt segment (segments: nothing when the segment is all of them)."""
         if self.kind == "segments":
-            self.engine.load_prefix(lane)
+            if self.segment is None:
+                raise RuntimeError("no prompt segment is bound (bind_segment)")
+            for r in rows:
+                self.engine.load_suffix(r, lane)
             return
         for r in rows:
             self.engine.load_row(r, lane)
 
     def reset(self) -> None:
+        self.segment = None
         if self._engine is not None:
             self._engine.reset()
 
