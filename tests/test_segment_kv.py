@@ -53,6 +53,36 @@ def test_segment_layout_holds_formula_3_bytes_and_keeps_every_row():
     assert layout.kv_bytes <= 0.4 * held  # the target
 
 
+@pytest.mark.parametrize("strategy", ["pointer", "bmc", "shift", "concat", "in_place"])
+def test_a_prompt_segment_is_the_caches_first_rows_while_it_appends_and_rewinds_after_them(strategy):
+    # The segment's windows are read at addresses: after every append, rewind and compaction of the rows after the
+    # segment, they still end at its last row and hold its rows, as the cache's own valid rows say.
+    import ctypes
+
+    from staticlm.kv_manager import Strategy
+
+    spec = KVSpec(num_tensors=3, head_dim=2, dtype="float32", max_past=15, max_ar=4, max_positions=100)
+    prompt = make_kv_cache(spec, Strategy(strategy), bmc_r=3)
+    rng = np.random.default_rng(2)
+    prompt.load(0, rng.standard_normal((3, 6, 2)).astype(np.float32))
+    responses = ResponseCache(KVSpec(num_tensors=3, head_dim=2, dtype="float32", max_past=9, max_ar=1,
+                                     max_positions=100, heads_per_buffer=1))
+    layout = SegmentKV(prompt, responses, num_prompt_rows=4)
+    want = prompt.valid_block(0)[:, :4].copy()  # [T, 4, D]
+    for num_new in (3, 4, 2, 4, 1, 4, 4):  # appends after the segment, rewinds to it, compactions on the way
+        prompt.prepare(past_len=15, ar=4)
+        for t in range(3):
+            prompt.slot(t, 0, 4)[...] = rng.standard_normal((1, 1, 4, 2))
+        prompt.advance(num_new)
+        for rows in (4, 6):  # the segment's own rows, and a static window with 2 rows of left padding before them
+            for t, address in enumerate(layout.prompt_addresses(rows).tolist()):
+                window = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)),
+                                               shape=(rows, 2))  # [rows, D] what a graph bound there reads
+                np.testing.assert_array_equal(window[rows - 4:], want[t])
+        prompt.rewind(min(int(prompt.lengths[0]) - 4, 4))
+    assert int(prompt.lengths[0]) >= 4
+
+
 # -- graphs and runs on a tiny family ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def families(tiny_hf_dir, tmp_path_factory) -> dict[str, Path]:
