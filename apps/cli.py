@@ -67,6 +67,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with the tokens and timings")
     g.add_argument("--num-responses", type=int, default=1,
                    help="several answers to the prompt, decoded together in batched graphs")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability and the N likeliest tokens' (0..20)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                       help="answer with JSON valid against this schema (a file, or the schema itself)")
+    shape.add_argument("--grammar", default=None, metavar="FILE|LARK",
+                       help="answer in this grammar, llguidance's Lark syntax (a file, or the grammar itself)")
     add_run_options(g)
     add_run_options(sub.add_parser("chat", help="chat in the terminal"))
     add_run_options(_serve_parser(sub))
@@ -172,7 +179,8 @@ def dispatch(args: argparse.Namespace) -> int:
         from staticlm.apps.commands.generate import run_generate
 
         run_generate(prompt=args.prompt, options=options, chat=args.chat, num_responses=args.num_responses,
-                     as_json=args.json)
+                     as_json=args.json, num_logprobs=args.logprobs, json_schema=args.json_schema,
+                     grammar=args.grammar)
         return 0
     if args.command == "chat":
         from staticlm.apps.commands.chat import run_chat

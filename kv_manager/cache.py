@@ -41,8 +41,8 @@ class KVCache:
     def _after_advance(self, n: np.ndarray) -> None:
         pass
 
-    def _after_truncate(self, seq: int, num_removed: int) -> None:
-        pass
+    def _after_rewind(self, num_removed: np.ndarray) -> None:
+        """num_removed [B]: rows each sequence just dropped (lengths and ends already moved back)."""
 
     def _kept_after_slide(self, past_len: int) -> int:
         """Rows a sliding sequence keeps (the newest): the whole window, unless moving rows is costly."""
@@ -126,6 +126,11 @@ class KVCache:
         """[T, B] int64 addresses of every window, for the binding table."""
         return self._tb_addresses + (self.ends - past_len) * self._row_stride
 
+    def prefix_window_addresses(self, past_len: int, num_rows: int) -> np.ndarray:
+        """[T, B] int64 addresses of windows of past_len rows that end after each sequence's first num_rows valid
+        rows (rows a sequence holds beyond them are left out: a prompt segment shared by several requests)."""
+        return self._tb_addresses + (self.ends - self.lengths + num_rows - past_len) * self._row_stride
+
     def slot_addresses(self, ar: int) -> np.ndarray:
         """[T, B] int64 addresses of every slot."""
         return self._tb_addresses + self.ends * self._row_stride
@@ -156,11 +161,24 @@ class KVCache:
         for b in seqs:
             if not 0 <= length <= int(self.lengths[b]):
                 raise ValueError(f"cannot truncate sequence {b} from {int(self.lengths[b])} to {length} rows")
-        for b in seqs:
-            removed = int(self.lengths[b]) - length
-            self.lengths[b] = length
-            self.ends[b] -= removed
-            self._after_truncate(b, removed)
+        num_removed = np.zeros_like(self.lengths)  # [B]
+        num_removed[list(seqs)] = self.lengths[list(seqs)] - length
+        self.rewind(num_removed)
+
+    def can_rewind(self, num_rows) -> bool:
+        """Whether rewind(num_rows) keeps every row the next step reads (see can_truncate)."""
+        num_rows = np.asarray(num_rows)
+        return bool((num_rows >= 0).all() and (num_rows <= self.lengths).all())
+
+    def rewind(self, num_rows) -> None:
+        """Drop the newest num_rows rows of every sequence (an int, or [B]: one count per sequence) in one call
+        (the paired decode steps every batch row back one row); a refusal changes nothing."""
+        num_rows = np.broadcast_to(np.asarray(num_rows, np.int64), self.lengths.shape)
+        if not self.can_rewind(num_rows):
+            raise ValueError(f"cannot rewind {num_rows.tolist()} rows of sequences {self.lengths.tolist()} rows long")
+        self.lengths -= num_rows
+        self.ends -= num_rows
+        self._after_rewind(num_rows)
         self._prepared_ar = 0
 
     def reset(self) -> None:

@@ -120,6 +120,20 @@ class LayeredKVCache:
             self.local_cache.truncate(self._local_kept(b, length), b)
             self.global_cache.truncate(length, b)
 
+    def can_rewind(self, num_rows) -> bool:
+        """Whether rewind(num_rows) leaves the local class the rows a window needs (see can_truncate)."""
+        num_rows = np.asarray(num_rows)
+        kept = self.lengths - num_rows  # [B]
+        return bool((num_rows >= 0).all() and (kept >= 0).all()
+                    and (self.local_cache.lengths - num_rows >= np.minimum(kept, self.local_window - 1)).all())
+
+    def rewind(self, num_rows) -> None:
+        if not self.can_rewind(num_rows):
+            raise ValueError(f"cannot rewind {np.asarray(num_rows).tolist()} rows: the local layers kept only "
+                             f"their newest {int(self.local_cache.lengths.min())}")
+        self.global_cache.rewind(num_rows)
+        self.local_cache.rewind(num_rows)
+
     def reset(self) -> None:
         self.global_cache.reset()
         self.local_cache.reset()

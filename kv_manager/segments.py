@@ -86,6 +86,14 @@ class ResponseCache(KVCache):
         self.ends = self.lengths.copy()
         self.stats.num_compactions += 1
 
+    def reserve(self, num_rows: int) -> None:
+        """Room for num_rows rows in every sequence now (a row loaded with its prompt's rows after the shared
+        segment): the buffer grows once, as a step would grow it."""
+        if num_rows > self.spec.max_past:
+            raise ContextFull(f"context full: {num_rows} rows exceed the {self.spec.max_past} a response may hold")
+        if num_rows > self.capacity:
+            self._make_room(num_rows, 0)
+
     @property
     def kv_bytes(self) -> int:
         return self.stats.reserved_bytes
@@ -116,20 +124,35 @@ def segment_bias(*, num_prompt: int, prompt_len: int, lengths: np.ndarray, past_
 
 
 class SegmentKV:
-    """The segment layout of one request: the prompt segment (a window over the cache that prefilled it) and the
-    responses' buffer. kv_bytes is what the layout holds: formula (3)."""
+    """The segment layout of the rows: the prompt segment (a window over the cache that prefilled it) and the
+    responses' buffer. kv_bytes is what the layout holds: formula (3).
 
-    def __init__(self, prompt: KVCache, responses: ResponseCache, *, prompt_seq: int = 0) -> None:
+    num_prompt_rows: the segment is the prompt cache's first rows (default: all it holds); the rows it holds
+    beyond them (another request's prompt, being prefilled while these rows decode) are not read. Those first rows
+    must not change while the segment is in use; `prompt_version` changes when they move (a compaction)."""
+
+    def __init__(self, prompt: KVCache, responses: ResponseCache, *, prompt_seq: int = 0,
+                 num_prompt_rows: int | None = None) -> None:
         if prompt.spec.num_tensors != responses.spec.num_tensors or prompt.spec.head_dim != responses.spec.head_dim:
             raise ValueError("the prompt and response caches hold different KV tensors")
+        held = int(prompt.lengths[prompt_seq])
+        if num_prompt_rows is not None and not 0 < num_prompt_rows <= held:
+            raise ValueError(f"a prompt segment of {num_prompt_rows} rows from a cache of {held}")
         self.prompt, self.responses, self.prompt_seq = prompt, responses, prompt_seq
-        self.num_prompt_rows = int(prompt.lengths[prompt_seq])
+        self.num_prompt_rows = held if num_prompt_rows is None else num_prompt_rows
         self.serial = next(_SERIALS)
+
+    @property
+    def prompt_version(self) -> tuple[int, ...]:
+        """What a binding of the prompt segment's addresses depends on: this layout, the prompt cache's buffer and
+        how often its rows moved."""
+        return self.serial, self.prompt.buffer_generation, self.prompt.stats.num_compactions
 
     def prompt_addresses(self, rows: int | None = None) -> np.ndarray:
         """[T] int64 addresses of every tensor's prompt window: its [1, 1, rows, D] rows ending at the prompt's
         end (rows: N_prompt by default; more for a static window, the rows before the prompt its left padding)."""
-        return self.prompt.window_addresses(rows or self.num_prompt_rows)[:, self.prompt_seq]
+        rows = rows or self.num_prompt_rows
+        return self.prompt.prefix_window_addresses(rows, self.num_prompt_rows)[:, self.prompt_seq]
 
     @property
     def kv_bytes(self) -> int:

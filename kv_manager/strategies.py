@@ -75,11 +75,13 @@ class ShiftCache(KVCache):
                 self.stats.num_compactions += 1
         self.ends[:] = end
 
-    def _after_truncate(self, seq: int, num_removed: int) -> None:
-        if num_removed:
-            end, length = self._initial_end(), int(self.lengths[seq])
-            self._move_rows(seq, src=end - num_removed - length, dst=end - length, num_rows=length)
-            self.ends[seq] = end
+    def _after_rewind(self, num_removed: np.ndarray) -> None:
+        end = self._initial_end()  # valid rows always end here: the kept rows move forward to it
+        for b in np.flatnonzero(num_removed).tolist():
+            length = int(self.lengths[b])
+            self._move_rows(b, src=end - int(num_removed[b]) - length, dst=end - length, num_rows=length)
+            self.stats.num_compactions += 1
+        self.ends[:] = end
 
 
 class ConcatCache(KVCache):

@@ -120,11 +120,12 @@ class ChatSession:
         return self.format.prompt_ids(messages, system_prompt=self.system_prompt)
 
     def send(self, user_text: str, params: GenerationParams | None = None, *,
-             should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
-        """Stream the answer to a new user message."""
+             should_stop: Callable[[], bool] = lambda: False, **request) -> Iterator[str]:
+        """Stream the answer to a new user message (request: num_logprobs, constraint, as Model.stream takes)."""
         if not user_text.strip():
             raise InvalidOption("the message is empty")
-        return self._answer(self.messages + [Message(role="user", content=user_text)], params, should_stop)
+        return self._answer(self.messages + [Message(role="user", content=user_text)], params, should_stop,
+                            **request)
 
     def regenerate(self, params: GenerationParams | None = None, *,
                    should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
@@ -134,7 +135,7 @@ class ChatSession:
         return self._answer(self.messages[:-1], params, should_stop)
 
     def _answer(self, messages: list[Message], params: GenerationParams | None,
-                should_stop: Callable[[], bool]) -> Iterator[str]:
+                should_stop: Callable[[], bool], **request) -> Iterator[str]:
         # Render before touching state: a prompt that cannot be built leaves the conversation as it was.
         params = params or self.params
         ids = self.prompt_ids(messages)
@@ -148,7 +149,7 @@ class ChatSession:
                                                                             max_tokens=room)
         pieces: list[str] = []
         try:
-            for chunk in self.model.stream(ids, params, should_stop=should_stop):
+            for chunk in self.model.stream(ids, params, should_stop=should_stop, **request):
                 pieces.append(chunk)
                 yield chunk
         except KeyboardInterrupt:

@@ -107,15 +107,16 @@ class Model:
 
     def generate_many(self, prompt_ids: list[int], params: GenerationParams | None = None, *, num_responses: int,
                       on_text: Callable[[int, str], None] = lambda index, text: None,
-                      should_stop: Callable[[], bool] = lambda: False) -> list[Response]:
-        """num_responses answers to one prompt, decoded together on the loop's rows."""
+                      should_stop: Callable[[], bool] = lambda: False, **request) -> list[Response]:
+        """num_responses answers to one prompt, decoded together on the loop's rows (request: num_logprobs,
+        constraint)."""
         if self.manifest.model.local_layers and not self.manifest.batch_sizes:
             raise InvalidOption(f"{self.engine.model_dir}: --num-responses is not available for a model with "
                                 "sliding-window layers (its batched graphs are not exported yet); run one at a time")
         if num_responses > 1 and not self.loop.rows.available:
             raise InvalidOption(self.loop.rows.unavailable)
         return generate_many(self.loop, prompt_ids, params or self.options.generation_params(),
-                             num_responses=num_responses, on_text=on_text, should_stop=should_stop)
+                             num_responses=num_responses, on_text=on_text, should_stop=should_stop, **request)
 
     def _set_result(self, result: GenerationResult) -> None:
         self.last_result = result

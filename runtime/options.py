@@ -17,7 +17,7 @@ from typing import Any
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import Overflow, Strategy
-from staticlm.runtime.engine.engine import EngineOptions
+from staticlm.runtime.engine.engine_options import EngineOptions
 from staticlm.runtime.generate.sampling import SamplingParams
 from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.session.device import DEFAULT_SOC_MODEL, Device, DeviceOptions

@@ -449,7 +449,8 @@ def test_htp_prompt_chunk_after_the_sink_matches_cpu_ep(family, request, tmp_pat
     cpu, htp = (Engine(directory, options=EngineOptions(device=d)) for d in (CPU, HTP))
     a, b = cpu.prefill(ids), htp.prefill(ids)
     for engine in (cpu, htp):  # the sink graph, then one prompt-chunk graph (no decode step)
-        assert set(engine._runners) == {engine._sink[0].name, engine._prefill[0].name}, engine._runners.keys()
+        want = {engine.graphs.sink[0].name, engine.graphs.prefill[0].name}
+        assert set(engine._runners) == want, engine._runners.keys()
     logits_steps = np.abs(a - b).max() / cpu.quant.logits.scale
     assert logits_steps <= 32, logits_steps
     kv_cpu, kv_htp = (e.kv.valid_block(0).astype(np.int64) for e in (cpu, htp))

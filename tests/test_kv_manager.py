@@ -341,13 +341,14 @@ def test_kv_manager_does_not_import_onnxruntime():
 
 @settings(max_examples=80, deadline=None)
 @given(kind=st.sampled_from([*Strategy, "response"]), layered=st.booleans(), window=st.integers(2, 5),
-       batch=st.integers(1, 3), ops=st.lists(st.tuples(st.sampled_from(["step", "step", "truncate"]),
+       batch=st.integers(1, 3), ops=st.lists(st.tuples(st.sampled_from(["step", "step", "truncate", "rewind"]),
                                                      st.integers(0, 10_000)), min_size=1, max_size=40),
        seed=st.integers(0, 2**16))
 def test_truncate_keeps_the_first_rows_whenever_can_truncate_says_so(kind, layered, window, batch, ops, seed):
     """Every cache class answers can_truncate(n); where it says yes, truncate(n) leaves exactly the reference's first
     n rows (a local layer of a LayeredKVCache: the newest of them, at least its window's); where it says no, truncate
-    refuses and changes nothing. A plain cache says yes exactly when every sequence asked about holds n rows."""
+    refuses and changes nothing. A plain cache says yes exactly when every sequence asked about holds n rows.
+    rewind([B] counts), the paired decode's one call for every row, does what one truncate per row would."""
     from staticlm.kv_manager import LayeredKVCache
     from staticlm.kv_manager.segments import ResponseCache
 
@@ -386,6 +387,19 @@ def test_truncate_keeps_the_first_rows_whenever_can_truncate_says_so(kind, layer
                     cache.slot(t, b, ar)[0, 0] = new[b, t]  # what the graph's output binding does
                 ref[b] += [new[b, :, i] for i in range(commits[b])]
             cache.advance(commits)
+        elif op == "rewind":
+            num_rows = np.array([(x >> (4 * b)) % (len(ref[b]) + 2) for b in range(batch)])  # 0 .. length + 1
+            can = cache.can_rewind(num_rows)
+            fits = all(num_rows[b] <= len(ref[b]) for b in range(batch))
+            assert can == fits if not layered else (fits or not can)
+            assert can == all(cache.can_truncate(len(ref[b]) - int(num_rows[b]), b) for b in range(batch))
+            if can:
+                cache.rewind(num_rows)
+                for b in range(batch):
+                    del ref[b][len(ref[b]) - int(num_rows[b]):]
+            else:
+                with pytest.raises(ValueError):
+                    cache.rewind(num_rows)
         else:
             seq = None if x % 3 == 0 else (x // 3) % batch
             seqs = range(batch) if seq is None else (seq,)

@@ -77,7 +77,7 @@ def test_tiny_zero_copy_bindings_are_the_buffers_own(tiny_family):
     engine = engine_for(tiny_family)
     model_of(engine).generate(plain_ids(tiny_family, "hi"), GenerationParams(max_new_tokens=20, ignore_eos=True))
     assert engine.kv.stats.copied_bytes == 0 and engine.kv.stats.num_compactions == 0
-    runner = engine.runner(engine._rung(engine._decode, engine.num_cached - 1))
+    runner = engine.runner(engine.graphs.rung(engine.graphs.decode, engine.num_cached - 1))
     p = runner.shape.past_len
     windows = np.array([[engine.kv.window(t, 0, p).ctypes.data] for t in range(engine.kv.spec.num_tensors)])
     slots = np.array([[engine.kv.slot(t, 0, 1).ctypes.data] for t in range(engine.kv.spec.num_tensors)])
@@ -205,8 +205,9 @@ def test_verify_graphs_open_only_when_speculation_will_run(tiny_family):
 
     def opened_verify_files(options: RunOptions) -> set[str]:
         engine = Model.open(tiny_family, options).engine
-        verify_files = {engine.model_dir / g.file for ladder in engine._verify.values() for g in ladder}
-        verify_files -= {engine.model_dir / g.file for g in (engine._decode[0], *engine._prefill[:1])}  # open anyway
+        verify_files = {engine.model_dir / g.file for ladder in engine.graphs.verify.values() for g in ladder}
+        opened = (engine.graphs.decode[0], *engine.graphs.prefill[:1])  # open anyway
+        verify_files -= {engine.model_dir / g.file for g in opened}
         assert verify_files  # the tiny family has verify-only graphs
         return verify_files & engine.sessions.files
 

@@ -303,3 +303,27 @@ def test_what_the_segmented_graphs_cannot_serve_is_a_user_error(families, tmp_pa
     sliding = model_of(Engine(family, options=EngineOptions(device=CPU, overflow=Overflow.SLIDE)))
     with pytest.raises(UserError, match="on-overflow slide"):
         sliding.generate_many([5, 6, 7], num_responses=4)
+
+
+def test_requests_sharing_a_cached_prefix_read_its_static_window_in_place(families):
+    # The HTP layout binds the prompt segment as a static window ending at the segment's last row, while the lane
+    # (pointer windows) prefills the newcomer's rest after it: every answer is still its single run's.
+    from conftest import model_of
+    from test_segment_kv import _run_requests, _single_tokens, _varied_greedy
+
+    from staticlm.runtime.generate.admission import MIN_SHARED_PREFIX
+    from staticlm.runtime.generate.loop import GenerationLoop
+    from staticlm.runtime.generate.text_stream import GenerationParams
+
+    family = families["kv16"]
+    shared = [int(t) for t in IDS[:MIN_SHARED_PREFIX]]
+    prompts = [shared + [int(t) for t in IDS[40:43]], shared + [int(t) for t in IDS[50:55]]]
+    params = GenerationParams(max_new_tokens=20, ignore_eos=True, sampling=_varied_greedy())
+    want = [_single_tokens(family, ids, params) for ids in prompts]
+    for submit_after in ([0, 0], [0, 3]):
+        loop = GenerationLoop(model_of(_engine(family)), eager=True)
+        assert loop.rows.kind == "segments"
+        got, seen = _run_requests(loop, prompts, params, submit_after=submit_after)
+        assert got == want, submit_after
+        together = [step for step in seen if len(step) == 2]
+        assert together and all(num_segment == len(shared) for step in together for num_segment, *_ in step)

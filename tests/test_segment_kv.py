@@ -53,6 +53,36 @@ def test_segment_layout_holds_formula_3_bytes_and_keeps_every_row():
     assert layout.kv_bytes <= 0.4 * held  # the issue's target
 
 
+@pytest.mark.parametrize("strategy", ["pointer", "bmc", "shift", "concat", "in_place"])
+def test_a_prompt_segment_is_the_caches_first_rows_while_it_appends_and_rewinds_after_them(strategy):
+    # The segment's windows are read at addresses: after every append, rewind and compaction of the rows after the
+    # segment, they still end at its last row and hold its rows, as the cache's own valid rows say.
+    import ctypes
+
+    from staticlm.kv_manager import Strategy
+
+    spec = KVSpec(num_tensors=3, head_dim=2, dtype="float32", max_past=15, max_ar=4, max_positions=100)
+    prompt = make_kv_cache(spec, Strategy(strategy), bmc_r=3)
+    rng = np.random.default_rng(2)
+    prompt.load(0, rng.standard_normal((3, 6, 2)).astype(np.float32))
+    responses = ResponseCache(KVSpec(num_tensors=3, head_dim=2, dtype="float32", max_past=9, max_ar=1,
+                                     max_positions=100, heads_per_buffer=1))
+    layout = SegmentKV(prompt, responses, num_prompt_rows=4)
+    want = prompt.valid_block(0)[:, :4].copy()  # [T, 4, D]
+    for num_new in (3, 4, 2, 4, 1, 4, 4):  # appends after the segment, rewinds to it, compactions on the way
+        prompt.prepare(past_len=15, ar=4)
+        for t in range(3):
+            prompt.slot(t, 0, 4)[...] = rng.standard_normal((1, 1, 4, 2))
+        prompt.advance(num_new)
+        for rows in (4, 6):  # the segment's own rows, and a static window with 2 rows of left padding before them
+            for t, address in enumerate(layout.prompt_addresses(rows).tolist()):
+                window = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)),
+                                               shape=(rows, 2))  # [rows, D] what a graph bound there reads
+                np.testing.assert_array_equal(window[rows - 4:], want[t])
+        prompt.rewind(min(int(prompt.lengths[0]) - 4, 4))
+    assert int(prompt.lengths[0]) >= 4
+
+
 # -- graphs and runs on a tiny family ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def families(tiny_hf_dir, tmp_path_factory) -> dict[str, Path]:
@@ -284,3 +314,56 @@ def test_bench_rows_report_both_paths(families):
     # both counters in rows of the same cache_token: the segmented one is formula (3), the copies 4 x (prompt + 7)
     assert kv["segment"] * kv["copy_rows"] == kv["formula_3_rows"] * kv["copy_valid"]
     assert "segments@1000" in ctx.extra["skipped_rows"]
+
+
+# -- requests that share a cached prefix read its segment in place -----------------------------------------------
+def _run_requests(loop, prompts: list[list[int]], params, *, submit_after: list[int]) -> tuple[list, list]:
+    """Submit prompt i once the loop has stepped submit_after[i] times; step until every answer ends. Returns the
+    answers' tokens and, per step and row that decodes in the rows: (the segment's rows, the row's own rows, its
+    prompt's length, the tokens of it the KV holds)."""
+    from staticlm.runtime.generate.sequence_request import Finished, SequenceRequest
+
+    events: list[list] = [[] for _ in prompts]
+    seen, steps = [], 0
+    while steps == 0 or loop.status()["rows_in_use"] or loop.status()["admitting"] or loop.scheduler.num_waiting:
+        for i, after in enumerate(submit_after):
+            if after == steps:
+                loop.submit(SequenceRequest(prompt_ids=prompts[i], params=params, on_event=events[i].append))
+        loop.step()
+        steps += 1
+        rows = [(r, loop.scheduler.occupant(r)) for r in loop.scheduler.busy_rows()]
+        seen.append([(loop.rows.engine.segments.num_prompt_rows, int(loop.rows.engine.kv.lengths[r]),
+                      len(seq.request.prompt_ids), len(seq.request.prompt_ids) + seq.num_fed)
+                     for r, seq in rows if not seq.solo])
+    return [list(next(e for e in ev if isinstance(e, Finished)).token_ids) for ev in events], seen
+
+
+@pytest.mark.parametrize("submit_after", [[0, 0, 0], [0, 3, 5]], ids=["waiting-together", "joining-a-lone-one"])
+def test_requests_extending_a_cached_prefix_read_its_segment_in_place(families, submit_after):
+    # Three prompts: two share a 24-token prefix (a system prompt), the third shares nothing. Submitted together,
+    # the first two read the shared prefix's segment in place at once; submitted later, the second joins the first
+    # while it decodes alone on the lane. The third waits until the rows are free. Every answer equals its single
+    # run, and no row holds the shared prefix: only what its request adds after it.
+    from conftest import model_of
+
+    from staticlm.runtime.generate.admission import MIN_SHARED_PREFIX
+    from staticlm.runtime.generate.loop import GenerationLoop
+    from staticlm.runtime.generate.text_stream import GenerationParams
+
+    family = families["gqa"]
+    rng = np.random.default_rng(12)
+    shared = list(rng.integers(0, 256, 24))
+    prompts = [shared + [1, *rng.integers(0, 256, 6)], shared + [2, *rng.integers(0, 256, 9)],
+               list(rng.integers(0, 256, 12))]
+    assert len(shared) >= MIN_SHARED_PREFIX
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True, sampling=_varied_greedy())
+    want = [_single_tokens(family, ids, params) for ids in prompts]
+    loop = GenerationLoop(model_of(_engine(family)), rows="segments", eager=True)
+    got, seen = _run_requests(loop, prompts, params, submit_after=submit_after)
+    assert got == want
+    together = [step for step in seen if len(step) == 2]  # the first two decoded side by side in the rows
+    assert len(together) >= 10, seen
+    for step in together:
+        for num_segment, num_own, num_prompt, num_in_kv in step:
+            # the segment is the shared prefix; a row holds what its request added after it, nothing more
+            assert num_segment == len(shared) and num_own == num_in_kv - len(shared) < num_prompt, step

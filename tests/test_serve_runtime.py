@@ -39,6 +39,20 @@ def test_scheduler_admits_oldest_first_bounds_the_queue_and_counts_reserved_rows
     assert s.drop_waiting("f") and s.num_waiting == 0
 
 
+def test_scheduler_admits_only_what_accepts_takes_and_at_most_max_requests():
+    # rows that read one prompt segment take only the requests that extend it, oldest first (admission.py)
+    from staticlm.runtime.generate.admission import extends, shared_prefix
+
+    s = RowScheduler(num_rows=4, max_queue=8)
+    for name in ("ab", "ac", "xy", "ad"):
+        s.submit(name, num_rows=1)
+    assert s.admissible(max_requests=1) == [("ab", 1)]
+    assert s.admissible(accepts=lambda r: r.startswith("a")) == [("ac", 1)]  # xy blocks ad behind it
+    assert s.num_waiting == 2 and s.num_free == 2
+    assert extends([1, 2, 3], [1, 2]) and not extends([1, 2], [1, 2]) and not extends([1, 3, 4], [1, 2])
+    assert shared_prefix([1, 2, 3, 4], [1, 2, 3]) == 2 and shared_prefix([1, 2], [1, 2, 3]) == 2
+
+
 def test_prompt_cache_finds_the_longest_prefix_and_evicts_least_recently_used():
     c = PromptCache(3)
     c.store(0, [1, 2, 3, 4])

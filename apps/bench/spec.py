@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from staticlm.runtime.engine.engine import StepCounters
+from staticlm.runtime.engine.steps import StepCounters
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
 from staticlm.runtime.generate.sampling import SamplingParams
 from staticlm.runtime.generate.text_stream import GenerationParams

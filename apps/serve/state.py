@@ -6,12 +6,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from staticlm.apps.grammar import Grammars
 from staticlm.runtime.generate.loop import GenerationLoop
 from staticlm.runtime.generate.slots import SlotStore
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
 
-from .grammar import Grammars
 from .metrics import ServeMetrics
 from .options import ServeOptions, default_max_body_bytes
 from .response_store import ResponseStore
@@ -40,11 +40,8 @@ class ServeState:
             print(f"staticlm serve: {num_loaded} cached prompt(s) loaded from {serve.cache_dir}", file=sys.stderr,
                   flush=True)
             on_idle = lambda: slots.save(batcher.cached_prefixes())  # noqa: E731
-        m = model.manifest
-        grammars = Grammars(Path(model.engine.model_dir) / m.tokenizer_file, vocab_size=m.model.vocab_size,
-                            eos_token_ids=model.tokenizer.eos_token_ids)
         return cls(model=model, options=model.options, serve=serve, worker=EngineWorker(batcher, on_idle=on_idle),
-                   metrics=ServeMetrics(batcher), grammars=grammars,
+                   metrics=ServeMetrics(batcher), grammars=Grammars.for_model(model),
                    model_id=serve.model_id or Path(model.engine.model_dir).resolve().name, created=int(time.time()))
 
     @property

@@ -11,7 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from staticlm.runtime.engine.engine import Engine, StepCounters
+from staticlm.runtime.engine.engine import Engine
+from staticlm.runtime.engine.steps import StepCounters
 
 
 @runtime_checkable

@@ -16,11 +16,13 @@ import numpy as np
 
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow
 from staticlm.kv_manager.segments import SEGMENT_STEP, ResponseCache, SegmentKV
-from staticlm.runtime.engine.engine import Engine, StepCounters
+from staticlm.runtime.engine import steps
+from staticlm.runtime.engine.engine import Engine
 from staticlm.runtime.engine.ladder import rung_past_len
 from staticlm.runtime.engine.runner import FamilyContext
 from staticlm.runtime.engine.segment_layout import segment_layout
 from staticlm.runtime.engine.segment_runner import SegmentRunner
+from staticlm.runtime.engine.steps import StepCounters
 from staticlm.runtime.family.contract import Role
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest
 from staticlm.runtime.session.sessions import GraphSessions
@@ -81,15 +83,28 @@ class SegmentEngine:
     # -- requests -----------------------------------------------------------------------
     def load_prefix(self, source: Engine) -> None:
         """Every sequence starts from source's cached rows, read in place: nothing is copied."""
+        self.bind(source, num_prompt=source.num_cached)
+
+    def bind(self, source: Engine, *, num_prompt: int) -> None:
+        """source's first num_prompt cached rows become the prompt segment every row reads in place (source may
+        append and rewind rows after them meanwhile, never change them); every row starts empty."""
         prompt = source.kv
-        num_prompt = int(prompt.lengths[0])
         max_past = max(1, self.max_context - 1 - num_prompt)  # a full context is refused by check_room, as in Engine
         spec = KVSpec(num_tensors=prompt.spec.num_tensors, head_dim=prompt.spec.head_dim, dtype=prompt.spec.dtype,
                       max_past=max_past, max_ar=max(self.verify_lens, default=1),
                       max_positions=self.config.max_positions, batch=self.batch,
                       pad_values=prompt.spec.pad_values, heads_per_buffer=self.layout.heads_per_buffer)
         self.kv = ResponseCache(spec, step=SEGMENT_STEP, rungs=self.layout.rungs)
-        self.segments = SegmentKV(prompt, self.kv)
+        self.segments = SegmentKV(prompt, self.kv, num_prompt_rows=num_prompt)
+
+    def load_suffix(self, seq: int, source: Engine) -> None:
+        """Sequence seq starts over from source's cached rows after the prompt segment (a request whose prompt
+        extends the segment: its own rows, one copy per request; the segment's are read in place)."""
+        rows = source.kv.valid_block(0)[:, self.segments.num_prompt_rows:]  # [T, n, D]
+        self.kv.clear(seq)
+        if rows.shape[1]:
+            self.kv.reserve(rows.shape[1])
+            self.kv.load(seq, rows)
 
     def reset(self) -> None:
         if self.kv is not None:
@@ -142,17 +157,8 @@ class SegmentEngine:
         return None
 
     def verify(self, token_ids, *, num_real: np.ndarray | None = None) -> np.ndarray:
-        """Score [B, n] tokens in one call, committing nothing (Engine.verify); logits [B, n, V]."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        n = ids.shape[-1]
-        ar = self.verify_len(n)
-        if ar is None:
-            raise ValueError(f"no segmented verify graph takes {n} tokens at {self.num_cached} cached")
-        t0 = time.perf_counter()
-        logits = self._run(ar, ids)[:, :n]
-        self.counters.add_verify(ar=ar, num_rows=ar * self.batch, seconds=time.perf_counter() - t0,
-                                 num_tokens=int(num_real.sum()) if num_real is not None else ids.size)
-        return logits
+        """Score [B, n] tokens in one call, committing nothing (steps.verify); logits [B, n, V]."""
+        return steps.verify(self, token_ids, num_real=num_real, run=self._run)
 
     def verify_cost_ratio(self, ar: int | None) -> float | None:
         return self.counters.verify_cost_ratio(ar)

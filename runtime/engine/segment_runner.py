@@ -58,7 +58,7 @@ class SegmentRunner:
                          key=lambda s: (s.layer, s.kv_head or 0, s.role == Role.PAST_VALUE))
         self._buffer_names = [s.name for s in buffers]
         self._kv_outputs = _kv_table(entry.outputs, KV_OUTPUT_ROLES, num_kv_heads=num_kv_heads)  # [T x B]
-        self._bound_prompt: tuple[int, int, int] | None = None  # (the SegmentKV's serial, its prompt's buffer, rows)
+        self._bound_prompt: tuple[int, ...] | None = None  # the SegmentKV's prompt_version it was bound at
         self._bound_buffers: tuple[int, int] | None = None  # (the SegmentKV's serial, its response buffer generation)
 
     def run(self, segments: SegmentKV) -> np.ndarray:
@@ -79,7 +79,7 @@ class SegmentRunner:
 
     def _bind_prompt(self, segments: SegmentKV) -> None:
         """The prompt segment's windows, once per request (and again only if its buffer was reallocated)."""
-        key = (segments.serial, segments.prompt.buffer_generation, segments.num_prompt_rows)
+        key = segments.prompt_version
         if key == self._bound_prompt:
             return
         if self.prompt_len is None:

@@ -43,6 +43,7 @@ class Response:
     finish_reason: FinishReason
     first_token_s: float  # since the request started
     last_token_s: float
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
 
 
 def _run(loop: GenerationLoop, requests: list[SequenceRequest], *, first_index: list[int],
@@ -105,27 +106,31 @@ def stream(loop: GenerationLoop, prompt_ids: list[int], params: GenerationParams
 
 def generate_many(loop: GenerationLoop, prompt_ids: list[int], params: GenerationParams, *, num_responses: int,
                   on_text: Callable[[int, str], None] = lambda index, text: None,
-                  should_stop: Callable[[], bool] = lambda: False) -> list[Response]:
+                  should_stop: Callable[[], bool] = lambda: False, num_logprobs: int | None = None,
+                  constraint: Callable[[], Constraint] | None = None) -> list[Response]:
     """num_responses answers to one prompt, as many at once as the loop has rows (the prompt is prefilled once:
-    the later requests find it in a row)."""
+    the later requests find it in a row); num_logprobs, constraint: as for stream, for every answer."""
     if num_responses < 1:
         raise InvalidOption(f"--num-responses must be >= 1, got {num_responses}")
     if not prompt_ids:
         raise InvalidOption("the prompt is empty")
     sizes = [min(loop.num_rows, num_responses - i) for i in range(0, num_responses, loop.num_rows)]
     requests = [SequenceRequest(prompt_ids=list(prompt_ids), params=params, on_event=lambda event: None,
-                                num_choices=n) for n in sizes]
+                                num_choices=n, num_logprobs=num_logprobs, constraint=constraint) for n in sizes]
     first_index = [sum(sizes[:i]) for i in range(len(sizes))]
     t0 = time.perf_counter()
     out: list[Response | None] = [None] * num_responses
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_responses)]
     for base, event in _run(loop, requests, first_index=first_index, should_stop=should_stop):
-        if isinstance(event, Delta) and event.text:
-            on_text(base + event.choice, event.text)
+        if isinstance(event, Delta):
+            logprobs[base + event.choice] += event.logprobs
+            if event.text:
+                on_text(base + event.choice, event.text)
         elif isinstance(event, Finished):
             first = event.first_time or event.time
             out[base + event.choice] = Response(token_ids=list(event.token_ids), text=event.text,
                                                 finish_reason=event.reason, first_token_s=first - t0,
-                                                last_token_s=event.time - t0)
+                                                last_token_s=event.time - t0, logprobs=logprobs[base + event.choice])
     return [r for r in out if r is not None]
 
 

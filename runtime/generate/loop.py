@@ -2,7 +2,9 @@
 and finished here, one `step()` at a time (schedule -> prefill a chunk -> decode every row).
 
 Execution lives in the engines, bookkeeping apart: scheduler.py (which row holds whom, who waits),
-prompt_cache.py (which tokens a row's KV holds), running.py (a choice's tokens, text and sampling).
+prompt_cache.py (which tokens a row's KV holds), running.py (a choice's tokens, text and sampling); admission.py
+takes a request from the queue to its rows (its prompt prefilled on the lane a chunk per step), this module steps
+what is placed and finishes it.
 
 - The **lane** is the model's one-sequence engine and its Generator (whose token list mirrors its KV). Prompts
   are prefilled there, one chunk per step while rows decode (a long prompt does not stall them). A sequence that
@@ -17,21 +19,19 @@ prompt_cache.py (which tokens a row's KV holds), running.py (a choice's tokens, 
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import ContextFull, Overflow
+from staticlm.runtime.generate.admission import Admission, Admissions
 from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
 from staticlm.runtime.generate.rows import Rows
-from staticlm.runtime.generate.running import RunningSequence, choose, new_sequences, push
+from staticlm.runtime.generate.running import RunningSequence, choose, push
 from staticlm.runtime.generate.scheduler import RowScheduler
 from staticlm.runtime.generate.sequence_request import (
     MAX_TOP_LOGPROBS,
-    Admitted,
     Delta,
     Failed,
     Finished,
@@ -39,17 +39,6 @@ from staticlm.runtime.generate.sequence_request import (
 )
 from staticlm.runtime.generate.slots import Prefix
 from staticlm.runtime.generate.text_stream import FinishReason
-
-
-@dataclass(eq=False)
-class _Admission:
-    """A request whose rows are reserved, its prompt being prefilled on the lane (todo: None until it starts)."""
-
-    request: SequenceRequest
-    num_rows: int
-    todo: list[int] | None = None
-    num_cached: int = 0
-    source_row: int | None = None  # the row whose cached prefix it took (its rows start there: overwritten in place)
 
 
 class GenerationLoop:
@@ -64,7 +53,8 @@ class GenerationLoop:
         self.rows = Rows(model, eager=eager, kind=rows)
         self.scheduler: RowScheduler = RowScheduler(num_rows=self.rows.num_rows, max_queue=max_queue)
         self.cache = PromptCache(self.rows.num_rows)
-        self._admitting: deque[_Admission] = deque()
+        self.admissions = Admissions(model=model, lane=self.lane, rows=self.rows, scheduler=self.scheduler,
+                                     cache=self.cache, use_cache=prompt_cache)
         self.num_steps = 0
         self.num_cancelled = 0  # choices that ended because their client went away
 
@@ -97,106 +87,31 @@ class GenerationLoop:
     def step(self) -> bool:
         """Admit what fits, prefill one chunk, decode every row once; False when there was nothing to do."""
         self._reap_cancelled()
-        admitted = self._schedule()
-        prefilled = self._prefill_chunk()
+        admitted = self.admissions.schedule()
+        prefilled, done = self.admissions.prefill_chunk()
+        if done is not None:
+            self._start_decoding(done)
         decoded = self._decode()
         return admitted or prefilled or decoded
 
-    def _schedule(self) -> bool:
-        """Waiting requests that fit take their rows; their prompts queue for the lane."""
-        if not self.rows.admits_while_busy and (self.scheduler.busy_rows() or self._admitting):
-            return False
-        admissible = self.scheduler.admissible()
-        for request, num_rows in admissible:
-            self._admitting.append(_Admission(request, num_rows))
-        return bool(admissible)
-
-    def _prefill_chunk(self) -> bool:
-        """One chunk of the oldest admitted prompt on the lane; the whole rest when no row waits on it."""
-        if not self._admitting:
-            return False
-        adm = self._admitting[0]
-        try:
-            if adm.todo is None:
-                self._migrate_solo()  # the lane is needed: a lone sequence moves into its row
-                adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
-            busy = any(not s.solo for s in self._occupants())
-            take = min(len(adm.todo), self.model.engine.prefill_len) if busy else len(adm.todo)
-            take -= take > 2 and len(adm.todo) - take == 1  # leave no lone row for last (Engine.pairs_rows)
-            self.lane.append_tokens(adm.todo[:take])
-            del adm.todo[:take]
-        except Exception as e:  # noqa: BLE001 -- the request fails, the loop keeps serving
-            self._admitting.popleft()
-            self.scheduler.unreserve(adm.num_rows)
-            self.lane.reset()  # whatever the prefill left is unknown
-            adm.request.on_event(Failed(e))
-            return True
-        if not adm.todo:
-            self._admitting.popleft()
-            self._start_decoding(adm)
-        return True
-
-    def _start(self, request: SequenceRequest) -> tuple[list[int], int, int | None]:
-        """Rewind the lane to the longest cached prefix of the prompt (its own, or a row's copied in once)."""
-        ids, lane, source = request.prompt_ids, self.lane, None
-        if not self.use_cache:
-            lane.reset()
-        elif self.rows.keeps_prefixes:
-            source, num_in_row = self.cache.longest(ids, rows=self.scheduler.free_rows())
-            for r in self.scheduler.busy_rows():  # a row still decoding holds its prompt too (a shared system prompt)
-                seq = self.scheduler.occupant(r)
-                n = 0 if seq.solo else common_prefix(seq.request.prompt_ids + seq.stream.ids[:seq.num_fed], ids)
-                if n > num_in_row:
-                    source, num_in_row = r, n
-            if source is not None and num_in_row > common_prefix(lane.tokens, ids):
-                lane.adopt(self.rows.engine, row=source, token_ids=ids[:min(num_in_row, len(ids) - 1)])
-        todo = lane.sync_prefix(list(ids))
-        num_cached = len(ids) - len(todo)
-        self.cache.record(num_cached=num_cached)
-        request.on_event(Admitted(num_prompt_tokens=len(ids), num_cached_tokens=num_cached,
-                                  time=time.perf_counter()))
-        return todo, num_cached, source
-
-    def _start_decoding(self, adm: _Admission) -> None:
-        request = adm.request
-        seqs = new_sequences(request, tokenizer=self.model.tokenizer, prompt_ids=request.prompt_ids)
-        solo = (adm.num_rows == 1 and not self.scheduler.busy_rows() and not self._admitting
-                and not self.scheduler.num_waiting) or not self.rows.available
-        free = self.scheduler.free_rows()
-        rows = (self.cache.victims(adm.num_rows, free=free, prefer=adm.source_row) if self.rows.keeps_prefixes
-                else free[:len(seqs)])
-        for r, seq in zip(rows, seqs, strict=True):
-            self.cache.forget(r)
-            seq.solo = solo
-            self.scheduler.occupy(r, seq)
-        if not solo:
-            self.rows.load(rows, self.lane.engine)
+    def _start_decoding(self, adm: Admission) -> None:
+        """The prefilled request's choices take their rows and choose their first tokens from the lane's logits."""
+        rows, seqs = self.admissions.place(adm)
         logits, now = self.lane.next_logits, time.perf_counter()  # [V]
         for r, seq in zip(rows, seqs, strict=True):
             try:
                 self._take(r, seq, choose(seq, logits), now=now)
             except Exception as e:  # noqa: BLE001 -- e.g. a grammar that broke: fail its request only
-                self._fail(request, e)
+                self._fail(adm.request, e)
                 return
-
-    def _migrate_solo(self) -> None:
-        """A sequence decoding alone on the lane moves into its row: one copy of its KV."""
-        for r in self.scheduler.busy_rows():
-            seq = self.scheduler.occupant(r)
-            if seq.solo and self.rows.available:
-                self.rows.load([r], self.lane.engine)
-                seq.solo = False
-
-    def _occupants(self) -> list[RunningSequence]:
-        return [self.scheduler.occupant(r) for r in self.scheduler.busy_rows()]
 
     def _decode(self) -> bool:
         busy = self.scheduler.busy_rows()
         if not busy:
             return False
         solo = [r for r in busy if self.scheduler.occupant(r).solo]
-        if solo and (len(busy) > 1 or self._admitting):
-            self._migrate_solo()
+        if solo and (len(busy) > 1 or self.admissions):
+            self.admissions.migrate_solo()
             solo = []
         self.num_steps += 1
         if solo:
@@ -305,13 +220,7 @@ class GenerationLoop:
             seq = self.scheduler.occupant(r)
             if seq.request.cancelled:
                 self._finish(r, seq, reason=FinishReason.CANCELLED, now=now)
-        for adm in [a for a in self._admitting if a.request.cancelled]:
-            self._admitting.remove(adm)
-            self.scheduler.unreserve(adm.num_rows)
-            _cancelled(adm.request, now=now)
-        for request in self.scheduler.waiting():
-            if request.cancelled and self.scheduler.drop_waiting(request):
-                _cancelled(request, now=now)
+        self.admissions.reap_cancelled(now=now)
 
     # -- the prompt cache across restarts (slots.py); on the engine's thread, or while it does not step ----------
     @property
@@ -361,17 +270,11 @@ class GenerationLoop:
     def status(self) -> dict[str, int]:
         stats = self.cache.stats
         return {"rows": self.num_rows, "rows_in_use": self.scheduler.num_busy, "waiting": self.scheduler.num_waiting,
-                "admitting": len(self._admitting), "cached_rows": self.cache.num_cached_rows,
+                "admitting": len(self.admissions), "cached_rows": self.cache.num_cached_rows,
                 "prompt_cache_lookups": stats.num_lookups, "prompt_cache_hits": stats.num_hits,
                 "prompt_cache_tokens": stats.num_cached_tokens, "decode_steps": self.num_steps,
                 "cancelled": self.num_cancelled,
                 "kv_bytes": self.model.engine.kv.stats.reserved_bytes + self.rows.kv_bytes}
-
-
-def _cancelled(request: SequenceRequest, *, now: float) -> None:
-    """A request that ended before any of its choices had a row."""
-    for choice in range(request.num_choices):
-        request.on_event(Finished(choice=choice, reason=FinishReason.CANCELLED, token_ids=(), text="", time=now))
 
 
 __all__ = ["GenerationLoop"]

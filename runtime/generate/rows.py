@@ -3,8 +3,10 @@
 Two kinds, chosen from the family (loop.py calls them the same way):
 - copies: a batched Engine over the lane's weights; each row gets its own copy of its prompt's KV once
   (`load_row`), so requests join and leave at any step and a finished row's KV serves the prompt cache;
-- segments: the family's segmented graphs read the lane's prompt KV in place (segment_engine.py): one request's
-  choices at a time, the prompt held once. An HTP family's batched graphs are all of this kind; a cpu family
+- segments: the family's segmented graphs read the lane's prompt KV in place (segment_engine.py): the prompt
+  segment, the lane's first rows, held once; each row holds only what its request adds after it (the rest of its
+  prompt, copied once, and its answer). A request's choices share it, and so do requests whose prompts extend it
+  (a cached prefix: admission.py decides which). An HTP family's batched graphs are all of this kind; a cpu family
   uses them when `--shared-prompt-kv` asks.
 A family with neither has no rows: every sequence decodes on the lane, one at a time.
 """
@@ -37,6 +39,8 @@ class Rows:
                             else f"{lane.model_dir} has no batched graphs for several responses: export it with "
                             "--batch-sizes")
         self._engine: Engine | SegmentEngine | None = None
+        self.segment: list[int] | None = None  # segments: the tokens of the prompt segment the rows read, if bound
+        self._step = _StepInputs(self.num_rows)
         self.speculator = None
         if eager and self.kind is not None:
             self.open()
@@ -55,9 +59,18 @@ class Rows:
         return self.kind == "copies"
 
     @property
-    def admits_while_busy(self) -> bool:
-        """Whether a request may join while others decode (a prompt segment serves one request at a time)."""
-        return self.kind != "segments"
+    def shares_segment(self) -> bool:
+        """Whether the rows read one prompt segment (a request joins busy rows only if its prompt extends it)."""
+        return self.kind == "segments"
+
+    def bind_segment(self, lane: Engine, tokens: list[int]) -> None:
+        """The lane's first len(tokens) cached rows (these tokens) become the prompt segment; every row empties."""
+        self.engine.bind(lane, num_prompt=len(tokens))
+        self.segment = list(tokens)
+
+    def unbind_segment(self) -> None:
+        """No row reads the segment any more: the lane may change any of its rows."""
+        self.segment = None
 
     @property
     def engine(self) -> Engine | SegmentEngine:
@@ -88,34 +101,62 @@ class Rows:
         return 0 if self._engine is None else int(self._engine.kv.stats.copied_bytes)
 
     def load(self, rows: list[int], lane: Engine) -> None:
-        """The lane's cached rows become these rows' start: one copy per row (copies) or none (segments)."""
+        """The lane's cached rows become these rows' start: one copy per row (copies), or the rows after the bound
+        prompt segment (segments: nothing when the segment is all of them)."""
         if self.kind == "segments":
-            self.engine.load_prefix(lane)
+            if self.segment is None:
+                raise RuntimeError("no prompt segment is bound (bind_segment)")
+            for r in rows:
+                self.engine.load_suffix(r, lane)
             return
         for r in rows:
             self.engine.load_row(r, lane)
 
     def reset(self) -> None:
+        self.segment = None
         if self._engine is not None:
             self._engine.reset()
 
     def step(self, seqs: dict[int, RunningSequence]) -> dict[int, list[int] | np.ndarray]:
-        """Run every sequence's pending token: per row, the speculated tokens, or its logits [V] to choose from."""
-        engine = self.engine
-        active = np.zeros(self.num_rows, bool)  # [B]
-        pending = np.full(self.num_rows, next(iter(seqs.values())).pending, np.int64)  # [B] (idle rows: any id)
-        previous = pending.copy()  # [B] the last token each row's KV holds
+        """Run every sequence's pending token: per row, the speculated tokens, or its logits [V] to choose from
+        (the dict and the logits are reused by the next step)."""
+        engine, step = self.engine, self._step
+        step.active[:] = False
+        step.pending[:] = step.previous[:] = next(iter(seqs.values())).pending  # idle rows: any id
         for r, seq in seqs.items():
-            active[r], pending[r], previous[r] = True, seq.pending, seq.previous
+            step.active[r], step.pending[r], step.previous[r] = True, seq.pending, seq.previous
+        out = step.out
+        out.clear()
         if self.speculator is not None and all(s.plain for s in seqs.values()):
-            contexts = [seqs[r].history if r in seqs else [] for r in range(self.num_rows)]
-            params = [seqs[r].request.params.sampling if r in seqs else None for r in range(self.num_rows)]
-            rngs = [seqs[r].rng if r in seqs else None for r in range(self.num_rows)]
-            out = self.speculator.step(engine, pending, active=active, contexts=contexts, params=params, rngs=rngs)
-            if out is not None:
-                return {r: out[r] for r in seqs}
-        logits = engine.decode_batch(pending, active=active, previous=previous)  # [B, V]
-        return {r: logits[r] for r in seqs}
+            for r in range(self.num_rows):
+                seq = seqs.get(r)
+                step.contexts[r] = seq.history if seq is not None else _NO_CONTEXT
+                step.params[r] = seq.request.params.sampling if seq is not None else None
+                step.rngs[r] = seq.rng if seq is not None else None
+            tokens = self.speculator.step(engine, step.pending, active=step.active, contexts=step.contexts,
+                                          params=step.params, rngs=step.rngs)
+            if tokens is not None:
+                out.update((r, tokens[r]) for r in seqs)
+                return out
+        logits = engine.decode_batch(step.pending, active=step.active, previous=step.previous)  # [B, V]
+        out.update((r, logits[r]) for r in seqs)
+        return out
+
+
+_NO_CONTEXT: list[int] = []  # an idle row's context (the speculator drafts nothing for it)
+
+
+class _StepInputs:
+    """What every step hands the engine, allocated once per Rows (no per-step arrays or lists)."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.active = np.zeros(num_rows, bool)  # [B] rows that hold a sequence
+        self.pending = np.zeros(num_rows, np.int64)  # [B] each row's token to feed
+        self.previous = np.zeros(num_rows, np.int64)  # [B] the last token each row's KV holds
+        self.contexts: list[list[int]] = [_NO_CONTEXT] * num_rows  # the speculator's view of each row
+        self.params: list = [None] * num_rows
+        self.rngs: list = [None] * num_rows
+        self.out: dict[int, list[int] | np.ndarray] = {}
 
 
 __all__ = ["Rows"]

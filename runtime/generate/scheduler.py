@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from staticlm.errors import InvalidOption, UserError
@@ -63,12 +64,15 @@ class RowScheduler(Generic[T]):
         return self.num_rows - self.num_free
 
     # -- the engine's thread ------------------------------------------------------------------
-    def admissible(self) -> list[tuple[T, int]]:
-        """Pop the waiting requests, oldest first, that fit in the free rows now (the head blocks the rest)."""
+    def admissible(self, *, accepts: Callable[[T], bool] = lambda request: True,
+                   max_requests: int | None = None) -> list[tuple[T, int]]:
+        """Pop the waiting requests, oldest first, that fit in the free rows now and that accepts takes, at most
+        max_requests of them (the head blocks the rest)."""
         out: list[tuple[T, int]] = []
         with self._lock:
-            free = self.num_free
-            while self._waiting and self._waiting[0][1] <= free:
+            free, limit = self.num_free, len(self._waiting) if max_requests is None else max_requests
+            while (self._waiting and self._waiting[0][1] <= free and len(out) < limit
+                   and accepts(self._waiting[0][0])):
                 request, n = self._waiting.popleft()
                 out.append((request, n))
                 free -= n

@@ -1,4 +1,5 @@
-"""Structured output through llguidance: a JSON schema (or a tool call's shape) becomes a token mask per step.
+"""Structured output through llguidance: a JSON schema, a Lark grammar or a tool call's shape becomes a token
+mask per step (the server's response_format and tools, `generate --json-schema/--grammar`).
 
 llguidance builds the grammar's token masks from the family's own tokenizer.json (no transformers, no torch)
 and fills them into numpy bitmasks; the batcher masks the logits with them before sampling
@@ -31,6 +32,13 @@ class Grammars:
         self._tokenizer = None
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_model(cls, model) -> Grammars:
+        """The grammars of an opened runtime.Model's family (its tokenizer.json, vocabulary and EOS tokens)."""
+        m = model.manifest
+        return cls(Path(model.engine.model_dir) / m.tokenizer_file, vocab_size=m.model.vocab_size,
+                   eos_token_ids=model.tokenizer.eos_token_ids)
+
     def warm_up(self) -> None:
         """Build the llguidance tokenizer now (the server does it on a side thread at startup)."""
         self._llg()
@@ -51,6 +59,15 @@ class Grammars:
         except ValueError as e:
             raise GrammarError(f"{param}: {e}") from None
         return self._check(grammar, param=param)
+
+    def lark(self, grammar: str, *, param: str = "grammar") -> GrammarConstraints:
+        """A grammar in llguidance's Lark syntax (`start: ...`; `%json {schema}` embeds a JSON schema)."""
+        llg, _ = self._llg()
+        try:
+            compiled = llg.LLMatcher.grammar_from_lark(grammar)
+        except ValueError as e:
+            raise GrammarError(f"{param}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
+        return self._check(compiled, param=param)
 
     def tool_call(self, tools: list[dict[str, Any]]) -> GrammarConstraints:
         """Exactly one Hermes-style call `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of one of the

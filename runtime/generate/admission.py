@@ -1,0 +1,199 @@
+"""Admission: a request between the queue and its rows (loop.py steps what this module places).
+
+A waiting request that fits reserves its rows (scheduler.py), then its prompt is prefilled on the lane one chunk
+per loop step, from the longest prefix the prompt cache holds (prompt_cache.py: the lane's own, or a row's copied
+in once). When the prompt is in, its choices take their rows: copies of the lane's KV, or its prompt segment read
+in place (rows.py), or, for a lone sequence, the lane itself.
+
+Rows that read one prompt segment (rows.py, segments) take a request while they decode only if its prompt extends
+the segment: the lane's first rows, which no prefill may change while a row reads them (the lane prefills the
+newcomer's rest after them, and its rows copy just that rest). The segment is chosen when rows start reading it:
+the prefix the first request shares with a waiting one (at least MIN_SHARED_PREFIX tokens), or with the lone
+sequence it joins on the lane, else the whole first prompt (its choices share it).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
+from staticlm.runtime.generate.rows import Rows
+from staticlm.runtime.generate.running import RunningSequence, new_sequences
+from staticlm.runtime.generate.scheduler import RowScheduler
+from staticlm.runtime.generate.sequence_request import Admitted, Failed, Finished, SequenceRequest
+from staticlm.runtime.generate.text_stream import FinishReason
+
+# A prompt segment read in place is worth sharing from this many common tokens: one step of the response buffer
+# (kv_manager/segments.py), which a row's own copy of them would take anyway.
+MIN_SHARED_PREFIX = 16
+
+
+def extends(prompt: list[int], segment: list[int]) -> bool:
+    """Whether a prompt starts with the segment and has a token after it (to give its own next-token logits)."""
+    return len(prompt) > len(segment) and prompt[:len(segment)] == segment
+
+
+def shared_prefix(tokens: list[int], prompt: list[int]) -> int:
+    """The longest segment of tokens that prompt extends."""
+    return min(common_prefix(tokens, prompt), len(prompt) - 1)
+
+
+@dataclass(eq=False)
+class Admission:
+    """A request whose rows are reserved, its prompt being prefilled on the lane (todo: None until it starts)."""
+
+    request: SequenceRequest
+    num_rows: int
+    todo: list[int] | None = None
+    num_cached: int = 0
+    source_row: int | None = None  # the row whose cached prefix it took (its rows start there: overwritten in place)
+
+
+class Admissions:
+    """The admitted requests whose prompts are being prefilled, oldest first; model, lane, rows, scheduler and
+    cache: the loop's; use_cache: whether prompts start from cached prefixes."""
+
+    def __init__(self, *, model, lane, rows: Rows, scheduler: RowScheduler, cache: PromptCache,
+                 use_cache: bool) -> None:
+        self.model, self.lane, self.rows, self.scheduler, self.cache = model, lane, rows, scheduler, cache
+        self.use_cache = use_cache
+        self.pending: deque[Admission] = deque()
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def schedule(self) -> bool:
+        """Waiting requests that fit take their rows; their prompts queue for the lane."""
+        admissible = self._admissible_on_segment() if self.rows.shares_segment else self.scheduler.admissible()
+        for request, num_rows in admissible:
+            self.pending.append(Admission(request, num_rows))
+        return bool(admissible)
+
+    def _admissible_on_segment(self) -> list[tuple[SequenceRequest, int]]:
+        """Rows that read one prompt segment: while it is bound, the requests that extend it; else one request, and
+        beside a lone sequence on the lane only one sharing at least MIN_SHARED_PREFIX tokens with it."""
+        segment, scheduler = self.rows.segment, self.scheduler
+        reading = any(not scheduler.occupant(r).solo for r in scheduler.busy_rows())
+        if segment is not None and not reading and not self.pending:
+            self.rows.unbind_segment()  # nobody reads it, nobody was admitted against it
+            segment = None
+        if segment is not None:
+            return scheduler.admissible(accepts=lambda r: self.use_cache and extends(r.prompt_ids, segment))
+        if self.pending or reading:
+            return []  # the segment is chosen when that request's rows start reading it
+        alone = bool(scheduler.busy_rows())  # a lone sequence decodes on the lane
+        return scheduler.admissible(max_requests=1, accepts=lambda r: not alone or (
+            self.use_cache and shared_prefix(self.lane.tokens, r.prompt_ids) >= MIN_SHARED_PREFIX))
+
+    def prefill_chunk(self) -> tuple[bool, Admission | None]:
+        """One chunk of the oldest admitted prompt on the lane (the whole rest when no row waits on it); returns
+        whether anything ran, and the admission whose prompt is now all in (its choices to be placed)."""
+        if not self.pending:
+            return False, None
+        adm = self.pending[0]
+        try:
+            if adm.todo is None:
+                self.migrate_solo(for_prompt=adm.request.prompt_ids)  # the lane is needed: a lone one moves out
+                adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
+            busy = any(not self.scheduler.occupant(r).solo for r in self.scheduler.busy_rows())
+            take = min(len(adm.todo), self.model.engine.prefill_len) if busy else len(adm.todo)
+            take -= take > 2 and len(adm.todo) - take == 1  # leave no lone row for last (Engine.pairs_rows)
+            self.lane.append_tokens(adm.todo[:take])
+            del adm.todo[:take]
+        except Exception as e:  # noqa: BLE001 -- the request fails, the loop keeps serving
+            self.pending.popleft()
+            self.scheduler.unreserve(adm.num_rows)
+            if self.rows.segment is not None:  # what the prefill left after the segment is unknown
+                self.lane.rewind_to(len(self.rows.segment))
+            else:
+                self.lane.reset()
+            adm.request.on_event(Failed(e))
+            return True, None
+        if adm.todo:
+            return True, None
+        self.pending.popleft()
+        return True, adm
+
+    def _start(self, request: SequenceRequest) -> tuple[list[int], int, int | None]:
+        """Rewind the lane to the longest cached prefix of the prompt (its own, or a row's copied in once)."""
+        ids, lane, source = request.prompt_ids, self.lane, None
+        if self.rows.segment is not None and not extends(ids, self.rows.segment):  # _admissible_on_segment's rule
+            raise RuntimeError("a prompt that does not extend the bound segment would overwrite the rows it reads")
+        if not self.use_cache:
+            lane.reset()
+        elif self.rows.keeps_prefixes:
+            source, num_in_row = self.cache.longest(ids, rows=self.scheduler.free_rows())
+            for r in self.scheduler.busy_rows():  # a row still decoding holds its prompt too (a shared system prompt)
+                seq = self.scheduler.occupant(r)
+                n = 0 if seq.solo else common_prefix(seq.request.prompt_ids + seq.stream.ids[:seq.num_fed], ids)
+                if n > num_in_row:
+                    source, num_in_row = r, n
+            if source is not None and num_in_row > common_prefix(lane.tokens, ids):
+                lane.adopt(self.rows.engine, row=source, token_ids=ids[:min(num_in_row, len(ids) - 1)])
+        todo = lane.sync_prefix(list(ids))
+        num_cached = len(ids) - len(todo)
+        self.cache.record(num_cached=num_cached)
+        request.on_event(Admitted(num_prompt_tokens=len(ids), num_cached_tokens=num_cached,
+                                  time=time.perf_counter()))
+        return todo, num_cached, source
+
+    def place(self, adm: Admission) -> tuple[list[int], list[RunningSequence]]:
+        """The prefilled request's choices take their rows (the lane's KV loaded into them, unless one choice runs
+        alone on the lane); returns the rows and their sequences."""
+        request = adm.request
+        seqs = new_sequences(request, tokenizer=self.model.tokenizer, prompt_ids=request.prompt_ids)
+        solo = (adm.num_rows == 1 and not self.scheduler.busy_rows() and not self.pending
+                and not self.scheduler.num_waiting) or not self.rows.available
+        free = self.scheduler.free_rows()
+        rows = (self.cache.victims(adm.num_rows, free=free, prefer=adm.source_row) if self.rows.keeps_prefixes
+                else free[:len(seqs)])
+        for r, seq in zip(rows, seqs, strict=True):
+            self.cache.forget(r)
+            seq.solo = solo
+            self.scheduler.occupy(r, seq)
+        if self.rows.shares_segment and solo:
+            self.rows.unbind_segment()  # no row reads it (busy rows would have made this one a row too)
+        elif self.rows.shares_segment and self.rows.segment is None:
+            self._bind_segment(self._segment_len(request.prompt_ids))
+        if not solo:
+            self.rows.load(rows, self.lane.engine)
+        return rows, seqs
+
+    def _segment_len(self, prompt: list[int]) -> int:
+        """The segment of a prompt on the lane whose choices start the rows: the prefix a waiting request shares
+        with it, or else all of it."""
+        shared = max((shared_prefix(prompt, r.prompt_ids) for r in self.scheduler.waiting()), default=0)
+        return shared if self.use_cache and shared >= MIN_SHARED_PREFIX else len(prompt)
+
+    def _bind_segment(self, num_tokens: int) -> None:
+        self.rows.bind_segment(self.lane.engine, self.lane.tokens[:num_tokens])
+
+    def migrate_solo(self, *, for_prompt: list[int] | None = None) -> None:
+        """A sequence decoding alone on the lane moves into its row: one copy of its KV (rows that read a prompt
+        segment: of its rows after the prefix it shares with for_prompt, the prompt about to join it)."""
+        for r in self.scheduler.busy_rows():
+            seq = self.scheduler.occupant(r)
+            if seq.solo and self.rows.available:
+                if self.rows.shares_segment:
+                    tokens = self.lane.tokens
+                    shared = shared_prefix(tokens, for_prompt) if for_prompt is not None else 0
+                    self._bind_segment(shared if shared >= MIN_SHARED_PREFIX else len(tokens))
+                self.rows.load([r], self.lane.engine)
+                seq.solo = False
+
+    def reap_cancelled(self, *, now: float) -> None:
+        """Admitted or waiting requests whose client went away end before they take a row."""
+        for adm in [a for a in self.pending if a.request.cancelled]:
+            self.pending.remove(adm)
+            self.scheduler.unreserve(adm.num_rows)
+            _cancelled(adm.request, now=now)
+        for request in self.scheduler.waiting():
+            if request.cancelled and self.scheduler.drop_waiting(request):
+                _cancelled(request, now=now)
+
+
+def _cancelled(request: SequenceRequest, *, now: float) -> None:
+    """A request that ended before any of its choices had a row."""
+    for choice in range(request.num_choices):
+        request.on_event(Finished(choice=choice, reason=FinishReason.CANCELLED, token_ids=(), text="", time=now))
