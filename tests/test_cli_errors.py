@@ -115,6 +115,8 @@ def test_json_output_fields(tiny_family):
     assert set(data) >= {"token_ids", "text", "prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s",
                          "device", "kv_copied_bytes"}
     assert len(data["token_ids"]) == 4 and data["device"] == "cpu" and data["kv_copied_bytes"] == 0
+    # the prompt's tokens came in before the first token: its prefill rate and the TTFT describe the same span
+    assert data["prefill_tok_s"] * data["ttft_s"] == pytest.approx(data["prompt_tokens"], rel=0.01, abs=0.05)
 
 
 @pytest.mark.slow

@@ -86,10 +86,10 @@ def stream(loop: GenerationLoop, prompt_ids: list[int], params: GenerationParams
     request = SequenceRequest(prompt_ids=list(prompt_ids), params=params, on_event=lambda event: None,
                               num_logprobs=num_logprobs, constraint=constraint)
     t0 = time.perf_counter()
-    prefilled, t_admitted, logprobs = len(prompt_ids), t0, []
+    prefilled, logprobs = len(prompt_ids), []
     for _, event in _run(loop, [request], first_index=[0], should_stop=should_stop):
         if isinstance(event, Admitted):
-            prefilled, t_admitted = event.num_prompt_tokens - event.num_cached_tokens, event.time
+            prefilled = event.num_prompt_tokens - event.num_cached_tokens
         elif isinstance(event, Delta):
             logprobs += event.logprobs
             if event.text:
@@ -100,7 +100,8 @@ def stream(loop: GenerationLoop, prompt_ids: list[int], params: GenerationParams
             on_result(GenerationResult(
                 token_ids=list(event.token_ids), text=event.text, finish_reason=event.reason,
                 prompt_tokens=prefilled, ttft_s=(first - t0) if event.token_ids else 0.0,
-                prefill_tok_s=prefilled / (t_admitted - t0) if t_admitted > t0 else 0.0,
+                # the prompt's uncached tokens over the time to the first token (which their prefill ends in)
+                prefill_tok_s=prefilled / (first - t0) if event.token_ids and first > t0 else 0.0,
                 decode_tok_s=num_decoded / (event.time - first) if event.time > first else 0.0, logprobs=logprobs))
 
 

@@ -35,7 +35,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Admitted:
-    """The prompt is prefilled and its rows taken."""
+    """The request left the queue: its cached prefix is known, and the rest is prefilled from here (in chunks,
+    between the decode steps of the rows already running)."""
 
     num_prompt_tokens: int
     num_cached_tokens: int  # of which the prompt cache held (not prefilled)
