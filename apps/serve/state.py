@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from staticlm.runtime.generate.loop import GenerationLoop
+from staticlm.runtime.generate.slot_writer import SlotWriter
 from staticlm.runtime.generate.slots import SlotStore
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
@@ -16,6 +17,8 @@ from .metrics import ServeMetrics
 from .options import ServeOptions, default_max_body_bytes
 from .response_store import ResponseStore
 from .worker import EngineWorker
+
+SAVE_AT_EXIT_S = 5.0  # the prompt cache's last save may take this long at exit; past it, abandoned (whole files only)
 
 
 @dataclass
@@ -33,17 +36,20 @@ class ServeState:
     @classmethod
     def build(cls, model: Model, serve: ServeOptions) -> ServeState:
         batcher = model.open_loop(max_queue=serve.max_queue, prompt_cache=serve.prompt_cache, eager=True)
-        on_idle = None
+        on_idle = on_stop = None
         if serve.cache_dir is not None:
             slots = SlotStore.for_engine(serve.cache_dir, model.engine, max_entries=batcher.max_saved_prefixes)
             num_loaded = batcher.restore_prefixes(slots.load())
             print(f"staticlm serve: {num_loaded} cached prompt(s) loaded from {serve.cache_dir}", file=sys.stderr,
                   flush=True)
-            on_idle = lambda: slots.save(batcher.cached_prefixes())  # noqa: E731
+            writer = SlotWriter(slots)  # the engine thread only copies the rows; the files are written apart
+            on_idle = lambda: writer.save(batcher.cached_prefixes())  # noqa: E731
+            on_stop = lambda: writer.close(timeout=SAVE_AT_EXIT_S)  # noqa: E731
         m = model.manifest
         grammars = Grammars(Path(model.engine.model_dir) / m.tokenizer_file, vocab_size=m.model.vocab_size,
                             eos_token_ids=model.tokenizer.eos_token_ids)
-        return cls(model=model, options=model.options, serve=serve, worker=EngineWorker(batcher, on_idle=on_idle),
+        worker = EngineWorker(batcher, on_idle=on_idle, on_stop=on_stop)
+        return cls(model=model, options=model.options, serve=serve, worker=worker,
                    metrics=ServeMetrics(batcher), grammars=grammars,
                    model_id=serve.model_id or Path(model.engine.model_dir).resolve().name, created=int(time.time()))
 
