@@ -6,12 +6,14 @@ request asks for the same work) with logprobs on, which tells how many tokens ea
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -42,40 +44,46 @@ def serve_command(*args: str) -> list[str]:
 
 @contextmanager
 def running_server(model_dir: Path, *args: str, threads: int = 2, startup_s: float = STARTUP_S,
-                   processes: list[subprocess.Popen] | None = None):
+                   processes: list[subprocess.Popen] | None = None, log: Path | None = None):
     """`staticlm serve` in a subprocess on a free loopback port, waited for on /health; yields its base URL
     (http://127.0.0.1:PORT) and stops it after. args: more serve flags (a later flag overrides these);
-    processes: receives the server's process (its memory is sampled by pid)."""
+    processes: receives the server's process (its memory is sampled by pid); log: where its output goes (kept
+    after; default: a temporary file, read back only when the server fails to start)."""
     import httpx
 
     port = free_port()
     cmd = serve_command("--model", str(model_dir), "--port", str(port), "--device", "cpu", "--threads", str(threads),
                         "--max-queue", "64", *args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if processes is not None:
-        processes.append(proc)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"staticlm serve exited: {proc.stdout.read().strip()[-500:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("staticlm serve did not start")
-            time.sleep(0.1)
-        yield base
-    finally:
-        proc.terminate()
+    with contextlib.ExitStack() as stack:
+        if log is None:
+            log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="staticlm-serve-"))) / "serve.log"
+        with open(log, "w") as out:  # a file, not a pipe: a server that logs much never blocks on a full pipe
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if processes is not None:
+            processes.append(proc)
+        base = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            deadline = time.monotonic() + startup_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"staticlm serve exited: {log.read_text().strip()[-500:]}")
+                try:
+                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("staticlm serve did not start")
+                time.sleep(0.1)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def stream_chat(base: str, messages: list[dict], *, max_tokens: int, temperature: float = 0.0) -> dict:
