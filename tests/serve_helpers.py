@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 
-from staticlm.apps.bench.serve import free_port, serve_command  # noqa: F401 - the tests import them from here
-from staticlm.apps.bench.serve import running_server as bench_server
+from staticlm.apps.bench.serve_process import free_port, serve_command  # noqa: F401 - the tests import them from here
+from staticlm.apps.bench.serve_process import running_server as bench_server
 
 STARTUP_S = 60
 
