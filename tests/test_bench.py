@@ -170,3 +170,13 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_reason(monkeypatch, tmp_
     monkeypatch.setitem(bench_peers.PEER_MODULES, Peer.TRANSFORMERS, ("no_such_module_for_staticlm",))
     with pytest.raises(bench_peers.PeerUnavailable, match="not installed"):
         bench_peers.prepare(Peer.TRANSFORMERS, gguf=tmp_path / "x.gguf", log=print)
+
+
+def test_the_serve_load_sends_long_prompts_that_no_other_request_of_the_run_shares():
+    from staticlm.apps.bench.serve_load import LONG_WORDS, Prompts
+
+    prompts = Prompts()
+    longs = [prompts.long() for _ in range(12)]  # the bench's three yardstick runs, 1, 4 and 8 clients, and more
+    assert all(len(text.split()) >= LONG_WORDS for text in longs)
+    assert len({" ".join(text.split()[:8]) for text in longs}) == len(longs)  # each starts at a word of its own
+    assert not set(prompts.short) & set(longs) and len(set(prompts.short)) == len(prompts.short)
