@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 
-from staticlm.apps.bench.serve import free_port, serve_command  # noqa: F401 - the tests import them from here
-from staticlm.apps.bench.serve import running_server as bench_server
+from staticlm.apps.bench.serve_process import free_port, serve_command  # noqa: F401 - the tests import them from here
+from staticlm.apps.bench.serve_process import running_server as bench_server
 
 STARTUP_S = 60
 
@@ -37,34 +37,8 @@ def wait_idle(base: str, *, timeout: float = 5.0) -> dict:
 @contextmanager
 def logged_server(model_dir: Path, log: Path, *args: str):
     """Like running_server, with the server's output written to `log` (for tests of what it logs)."""
-    import os
-    import subprocess
-
-    port = free_port()
-    cmd = serve_command("--model", str(model_dir), "--port", str(port), "--device", "cpu", "--threads", "2", *args)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"staticlm serve exited: {log.read_text()[-500:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("staticlm serve did not start")
-            time.sleep(0.1)
+    with bench_server(model_dir, *args, threads=2, startup_s=STARTUP_S, log=log) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def raw_exchange(sock, request: bytes, *, timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:

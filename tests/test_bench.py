@@ -196,3 +196,13 @@ def test_llamacpp_reads_the_files_tensors_and_its_f16_kv(tmp_path, tied):
     read = sum(v.nbytes for name, v in tensors.items() if name != "token_embd.weight" or tied)
     assert gguf_decode_bytes(path, 0, num_layers=3, num_kv_heads=2, head_dim=8) == read
     assert gguf_decode_bytes(path, 10, num_layers=3, num_kv_heads=2, head_dim=8) == read + 2 * 3 * 2 * 8 * 2 * 10
+
+
+def test_the_serve_load_sends_long_prompts_that_no_other_request_of_the_run_shares():
+    from staticlm.apps.bench.serve_load import LONG_WORDS, Prompts
+
+    prompts = Prompts()
+    longs = [prompts.long() for _ in range(12)]  # the bench's three yardstick runs, 1, 4 and 8 clients, and more
+    assert all(len(text.split()) >= LONG_WORDS for text in longs)
+    assert len({" ".join(text.split()[:8]) for text in longs}) == len(longs)  # each starts at a word of its own
+    assert not set(prompts.short) & set(longs) and len(set(prompts.short)) == len(prompts.short)

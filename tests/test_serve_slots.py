@@ -195,3 +195,112 @@ def test_a_restarted_server_reports_the_saved_prompt_as_cached(in_place_family, 
     assert cold_usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
     assert second == first
+
+
+def _held_store(model, directory: Path):
+    """A SlotStore whose commits wait until released (a slow disk), saying when one started."""
+    import threading
+
+    from staticlm.runtime.generate.slots import SlotStore
+
+    class Held(SlotStore):
+        def commit(self, snapshot, **kw):
+            self.started.set()
+            self.release.wait(60)
+            return super().commit(snapshot, **kw)
+
+    store = Held.for_engine(directory, model.engine, max_entries=model.loop.max_saved_prefixes)
+    store.started, store.release = threading.Event(), threading.Event()
+    return store
+
+
+def test_the_writer_saves_apart_while_the_loop_steps_on_and_writes_the_rows_of_its_snapshot(in_place_family, prompts,
+                                                                                          cold, tmp_path):
+    from staticlm.runtime.generate.slot_writer import SlotWriter
+
+    model, reference = _open(in_place_family), _open(in_place_family)
+    loop = model.open_loop(eager=True)
+    _answer(loop, prompts[:2])
+    _answer(loop, prompts[2:])
+    saved = [(list(p.token_ids), np.array(p.kv())) for p in loop.cached_prefixes()]
+    store = _held_store(model, tmp_path)
+    writer = SlotWriter(store)
+    writer.save(loop.cached_prefixes())  # returns with the commit still held
+    assert store.started.wait(60) and not list(tmp_path.glob("*.slot"))
+    # the loop answers on while the write waits, and overwrites the rows and the lane the snapshot copied
+    others = [list(reversed(ids)) for ids in prompts] + [prompts[0][1:]]
+    _answer(loop, others[:2])
+    _answer(loop, others[2:])
+    assert not list(tmp_path.glob("*.slot"))
+    store.release.set()
+    assert writer.wait(60) and writer.close(timeout=60)
+    loaded = _store(model, tmp_path).load()
+    assert [ids for ids, _ in loaded] == [ids for ids, _ in saved]
+    for (ids, kv), (_, want) in zip(loaded, saved):
+        np.testing.assert_array_equal(kv, want)  # the rows as they were at save(), not after the answers since
+        reference.generator.reset()
+        reference.generator.append_tokens(ids)
+        np.testing.assert_allclose(kv, reference.engine.kv.valid_block(0), rtol=1e-4, atol=1e-4)
+
+
+def test_closing_the_writer_writes_what_is_queued_or_abandons_it_leaving_whole_files_only(in_place_family, saved,
+                                                                                         tmp_path, monkeypatch):
+    import threading
+
+    import staticlm.runtime.generate.slots as slots
+    from staticlm.runtime.generate.slot_writer import SlotWriter
+
+    model = _open(in_place_family)
+    prefixes = [slots.Prefix(ids, lambda kv=kv: kv) for ids, kv in _store(model, saved).load()]
+    flushed = tmp_path / "flushed"
+    writer = SlotWriter(_store(model, flushed))
+    writer.save(prefixes[:1])
+    writer.save(prefixes)  # replaces the first snapshot if it still waits
+    assert writer.close(timeout=60)
+    assert sorted(p.name for p in flushed.iterdir()) == sorted(p.name for p in saved.glob("*.slot"))
+    assert [ids for ids, _ in _store(model, flushed).load()] == [p.token_ids for p in prefixes]
+    writer.save(prefixes[:1])  # after close: ignored
+    assert len(list(flushed.iterdir())) == 3
+
+    # a disk that stalls mid-file: close() gives up, the temp file goes, no .slot file is left half written
+    monkeypatch.setattr(slots, "CHUNK_BYTES", 4096)
+    stalled, warnings, writing, temp_files = tmp_path / "stalled", [], threading.Event(), []
+    store = _store(model, stalled, warn=warnings.append)
+    write = store._write
+
+    def stalling_write(path, tokens, kv, *, abandon):
+        def stalled_check() -> bool:  # each chunk waits until the writer is told to give up
+            writing.set()
+            while not abandon():
+                threading.Event().wait(0.01)
+            temp_files.append(len(list(stalled.glob(".*.tmp"))))  # the part written so far
+            return True
+
+        return write(path, tokens, kv, abandon=stalled_check)
+
+    store._write = stalling_write
+    writer = SlotWriter(store)
+    writer.save(prefixes)
+    assert writing.wait(60)
+    assert not writer.close(timeout=0.1)
+    assert temp_files == [1] and list(stalled.iterdir()) == []
+    assert len(warnings) == 1 and "abandoned" in warnings[0]
+
+
+def test_a_snapshot_copies_rows_that_are_a_view_of_the_live_cache(in_place_family, saved, tmp_path):
+    from staticlm.runtime.generate.slot_writer import SlotWriter
+    from staticlm.runtime.generate.slots import Prefix
+
+    model = _open(in_place_family)
+    [(ids, kv), *_] = _store(model, saved).load()
+    live = np.array(kv)  # [T, n, D] a buffer the next step would overwrite
+    store = _held_store(model, tmp_path)
+    writer = SlotWriter(store)
+    writer.save([Prefix(ids, lambda: live[:, :])])
+    assert store.started.wait(60)
+    live[:] = 0
+    store.release.set()
+    assert writer.close(timeout=60)
+    [(got_ids, got)] = _store(model, tmp_path).load()
+    assert got_ids == ids
+    np.testing.assert_array_equal(got, kv)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from staticlm.apps.grammar import Grammars
 from staticlm.runtime.generate.loop import GenerationLoop
+from staticlm.runtime.generate.slot_writer import SlotWriter
 from staticlm.runtime.generate.slots import SlotStore
 from staticlm.runtime.model import Model
 from staticlm.runtime.options import RunOptions
@@ -16,6 +17,8 @@ from .metrics import ServeMetrics
 from .options import ServeOptions, default_max_body_bytes
 from .response_store import ResponseStore
 from .worker import EngineWorker
+
+SAVE_AT_EXIT_S = 5.0  # the prompt cache's last save may take this long at exit; past it, abandoned (whole files only)
 
 
 @dataclass
@@ -33,14 +36,17 @@ class ServeState:
     @classmethod
     def build(cls, model: Model, serve: ServeOptions) -> ServeState:
         batcher = model.open_loop(max_queue=serve.max_queue, prompt_cache=serve.prompt_cache, eager=True)
-        on_idle = None
+        on_idle = on_stop = None
         if serve.cache_dir is not None:
             slots = SlotStore.for_engine(serve.cache_dir, model.engine, max_entries=batcher.max_saved_prefixes)
             num_loaded = batcher.restore_prefixes(slots.load())
             print(f"staticlm serve: {num_loaded} cached prompt(s) loaded from {serve.cache_dir}", file=sys.stderr,
                   flush=True)
-            on_idle = lambda: slots.save(batcher.cached_prefixes())  # noqa: E731
-        return cls(model=model, options=model.options, serve=serve, worker=EngineWorker(batcher, on_idle=on_idle),
+            writer = SlotWriter(slots)  # the engine thread only copies the rows; the files are written apart
+            on_idle = lambda: writer.save(batcher.cached_prefixes())  # noqa: E731
+            on_stop = lambda: writer.close(timeout=SAVE_AT_EXIT_S)  # noqa: E731
+        worker = EngineWorker(batcher, on_idle=on_idle, on_stop=on_stop)
+        return cls(model=model, options=model.options, serve=serve, worker=worker,
                    metrics=ServeMetrics(batcher), grammars=Grammars.for_model(model),
                    model_id=serve.model_id or Path(model.engine.model_dir).resolve().name, created=int(time.time()))
 

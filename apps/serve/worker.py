@@ -20,11 +20,12 @@ IDLE_WAIT_S = 0.5
 
 class EngineWorker:
     """on_idle: called on the engine's thread each time the loop runs out of work, and once after it stopped
-    (saving the prompt cache: slots.py)."""
+    (queueing a save of the prompt cache: slot_writer.py); on_stop: called last in stop() (writing what is queued)."""
 
-    def __init__(self, batcher: GenerationLoop, *, on_idle: Callable[[], None] | None = None) -> None:
+    def __init__(self, batcher: GenerationLoop, *, on_idle: Callable[[], None] | None = None,
+                 on_stop: Callable[[], None] | None = None) -> None:
         self.batcher = batcher
-        self._on_idle = on_idle
+        self._on_idle, self._on_stop = on_idle, on_stop
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="staticlm-engine", daemon=True)
@@ -38,6 +39,8 @@ class EngineWorker:
         self._thread.join(timeout=10)
         if self._on_idle is not None and not self._thread.is_alive():  # (a step still running owns the loop)
             self._on_idle()
+        if self._on_stop is not None:
+            self._on_stop()
 
     def submit(self, request: SequenceRequest) -> None:
         """Queue a request (QueueFull, or a UserError for a bad one, is raised here) and wake the engine."""

@@ -14,6 +14,7 @@ the previous file whole.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import struct
 import sys
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +34,20 @@ MAGIC = b"STLMSLOT"
 FORMAT_VERSION = 1
 SUFFIX = ".slot"
 _U32 = struct.Struct("<I")
+CHUNK_BYTES = 8 << 20  # a write checks between chunks whether it was abandoned
 
 
 class CacheDirError(UserError):
     pass
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A save's plan: file names of the prefixes to keep (least recently used first), and for those not on disk
+    yet, their token ids and KV rows [T, n, D] (a copy: the live cache changes after the next step)."""
+
+    names: list[str]
+    new: dict[str, tuple[list[int], np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class SlotStore:
         self.key, self.max_entries, self.max_tokens = key, max_entries, max_tokens
         self.family = _hash(json.dumps(key, sort_keys=True).encode())
         self.dtype = np.dtype(key["kv_dtype"])
-        self._warn = warn or (lambda line: print(f"staticlm: warning: {line}", file=sys.stderr, flush=True))
+        self.warn = warn or (lambda line: print(f"staticlm: warning: {line}", file=sys.stderr, flush=True))
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -89,43 +100,68 @@ class SlotStore:
     # -- saving -----------------------------------------------------------------------------------------
     def save(self, prefixes: Sequence[Prefix]) -> None:
         """Make the directory hold these prefixes (least recently used first; the newest max_entries are kept):
-        new ones are written, this family's others deleted. A failed write is a warning, never an exception."""
+        new ones are written, this family's others deleted. A failed write is a warning, never an exception.
+        (The server splits this: snapshot on its engine thread, commit on a writer thread: slot_writer.py.)"""
+        self.commit(self.snapshot(prefixes))
+
+    def snapshot(self, prefixes: Sequence[Prefix], *, known: Collection[str] = ()) -> Snapshot:
+        """What save() needs from the live cache, taken before its next step: the file names, and a copy of the KV
+        rows of each prefix neither on disk nor in `known` (names a queued save already holds)."""
         keep = list(prefixes)[-self.max_entries:] if self.max_entries > 0 else []
-        names = [self._name(p.token_ids) for p in keep]
-        now = time.time()
+        names, new = [], {}
+        for prefix in keep:
+            name = self._name(prefix.token_ids)
+            if name not in known and not (self.directory / name).exists():
+                kv = prefix.kv()
+                if kv is None:  # not readable (a sliding lane's): not saved
+                    continue
+                new[name] = (list(prefix.token_ids), _owned(kv, self.dtype))
+            names.append(name)
+        return Snapshot(names, new)
+
+    def commit(self, snapshot: Snapshot, *, abandon: Callable[[], bool] = lambda: False) -> bool:
+        """Write a snapshot's new files, order all by mtime, delete this family's others. abandon: polled between
+        chunks of a write; once true, the file being written is dropped (its temp file deleted) and nothing
+        more is done: returns False. A failed write is a warning, never an exception."""
+        now, names = time.time(), snapshot.names
         try:
-            for i, (name, prefix) in enumerate(zip(names, keep, strict=True)):
+            for i, name in enumerate(names):
                 path = self.directory / name
-                if not path.exists():
-                    kv = prefix.kv()
-                    if kv is None:  # not readable (a sliding lane's): not saved
-                        continue
-                    self._write(path, prefix.token_ids, kv)
-                stamp = now - (len(keep) - i) * 1e-3  # the order the cache used them in, newest last
-                os.utime(path, (stamp, stamp))
+                if name in snapshot.new and not path.exists():
+                    self._write(path, *snapshot.new[name], abandon=abandon)
+                stamp = now - (len(names) - i) * 1e-3  # the order the cache used them in, newest last
+                with contextlib.suppress(FileNotFoundError):  # a queued save's file whose write failed
+                    os.utime(path, (stamp, stamp))
             for path in self.directory.glob(f"{self.family[:16]}-*{SUFFIX}"):
                 if path.name not in names:
                     path.unlink(missing_ok=True)
             for path in self.directory.glob(f".{self.family[:16]}-*.tmp"):  # left by a save that was killed
                 path.unlink(missing_ok=True)
+        except _Abandoned:
+            return False
         except OSError as e:
-            self._warn(f"could not save the prompt cache to {self.directory}: {e.strerror or e}")
+            self.warn(f"could not save the prompt cache to {self.directory}: {e.strerror or e}")
+        return True
 
-    def _write(self, path: Path, token_ids: Sequence[int], kv: np.ndarray) -> None:
+    def _write(self, path: Path, token_ids: Sequence[int], kv: np.ndarray, *,
+               abandon: Callable[[], bool] = lambda: False) -> None:
         tokens = np.asarray(token_ids, "<i4")  # [n]
         kv = np.ascontiguousarray(kv, self.dtype)  # [T, n, D]
         if kv.ndim != 3 or kv.shape[1] != tokens.size:
             raise ValueError(f"{tokens.size} tokens with KV rows {kv.shape}")
         header = json.dumps({"format_version": FORMAT_VERSION, "family": self.family, "key": self.key,
                              "dtype": self.dtype.str, "shape": list(kv.shape)}).encode()
-        parts = [MAGIC, _U32.pack(len(header)), header, tokens.tobytes(), kv.data]
-        crc = 0
-        for part in parts:
-            crc = zlib.crc32(part, crc)
+        body = memoryview(kv).cast("B")
+        parts = [MAGIC, _U32.pack(len(header)), header, tokens.tobytes(),
+                 *(body[i:i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES))]
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        crc = 0
         try:
             with open(tmp, "wb") as f:
                 for part in parts:
+                    if abandon():
+                        raise _Abandoned
+                    crc = zlib.crc32(part, crc)  # (zlib and the write let go of the GIL: the engine keeps stepping)
                     f.write(part)
                 f.write(_U32.pack(crc))
                 f.flush()
@@ -145,9 +181,9 @@ class SlotStore:
             try:
                 found.append(self._read(path))
             except _Unusable as e:
-                self._warn(f"{path}: {e}; ignored")
+                self.warn(f"{path}: {e}; ignored")
             except OSError as e:
-                self._warn(f"{path}: cannot read it ({e.strerror or e}); ignored")
+                self.warn(f"{path}: cannot read it ({e.strerror or e}); ignored")
         return found[-self.max_entries:] if self.max_entries > 0 else []
 
     def _read(self, path: Path) -> tuple[list[int], np.ndarray]:
@@ -191,6 +227,17 @@ class _Unusable(Exception):
     """Why a file is not loaded (said in the warning)."""
 
 
+class _Abandoned(Exception):
+    """A save given up on (the server stopping): its temp file is deleted, the previous files stay whole."""
+
+
+def _owned(kv: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """kv as an array of its own: a view into the live cache is copied (one memcpy), a gathered copy kept."""
+    if kv.flags.owndata and kv.flags.c_contiguous and kv.dtype == dtype:
+        return kv
+    return np.array(kv, dtype, order="C", copy=True)
+
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
@@ -205,4 +252,4 @@ def _describe(key) -> str:
             f"{key.get('kv_layout')}")
 
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "CacheDirError", "Prefix", "SlotStore", "family_key"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "CacheDirError", "Prefix", "SlotStore", "Snapshot", "family_key"]
