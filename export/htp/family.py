@@ -49,6 +49,7 @@ from staticlm.runtime.text.chat_template import Message
 
 from . import gptq
 from .blocks import grid_overrides, to_block_weights
+from .groups import Group, group_ranges, quantize_groups, split_template
 from .kv_only import add_kv_boundary
 from .memory import check_memory, out_of_memory
 from .qdq import (
@@ -177,6 +178,7 @@ class _Template:
     float_proto: onnx.ModelProto  # the float graph it was made from (no weights loaded)
     ranges: Ranges  # the activation ranges it was calibrated with
     pinned: frozenset[str]  # tensors whose parameters are the family's (boundary, through data movement)
+    groups: tuple[Group, ...] = ()  # its float layer groups (groups.py); none: quantized whole
 
 
 def _step_feeds(fm: Manifest, *, fq: FamilyQuant, config) -> StepFeeds:
@@ -207,38 +209,55 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
                         rounded: dict[str, list[dict]] | None = None,
                         grids: ProjectionGrids | None = None, entry: GraphEntry | None = None, feeds=None,
                         pinned: dict | None = None) -> _Template:
-    """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps; grids: the
-    projections that keep the source's grid (none when not given). entry, feeds, pinned: another template (the
-    segmented graphs': segment_export.py), its step feeds and its pinned parameters."""
+    """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps, one layer group
+    at a time (groups.py; quant.max_group_bytes None: the whole graph at once); grids: the projections that keep the
+    source's grid (none when not given). entry, feeds, pinned: another template (the segmented graphs':
+    segment_export.py), its step feeds and its pinned parameters."""
     entry = entry or template_entry(fm.graphs)
     if pinned is None:
         pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
-    reader = trace_reader(feeds, steps) if feeds is not None else _step_reader(fm, steps, fq=fq, config=config)
+    feeds = feeds if feeds is not None else _step_feeds(fm, fq=fq, config=config)
     float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
     grids = ProjectionGrids(config, {}) if grids is None else grids
-    grid = grid_overrides(grids, float_proto)
-    qpath = work / "q" / entry.file
-    qpath.parent.mkdir()
-    ranges = quantize_graph(float_dir / entry.file, qpath, reader=reader,
-                            quant=quant.quant, pinned=pinned,
-                            weight_overrides={**weight_overrides(quant.quant, config), **grid, **(rounded or {})})
-    proto = signed_matmul_operands(strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned))
+    overrides = {**weight_overrides(quant.quant, config), **grid_overrides(grids, float_proto), **(rounded or {})}
     # 4-bit weights of a float source go per block too: one 4-bit scale per channel costs far more agreement
     # with float than one per block. 8-bit ones stay per channel, GPTQ-rounded (`rounded`).
     four_bit = quant.quant is Quant.W4A16
     float_blocks = frozenset(set(_projection_weights(config)) - set(grids.names())) if four_bit else frozenset()
-    to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, grids=grids, float_blocks=float_blocks)
-    shared.absorb(proto)
-    shutil.rmtree(qpath.parent)
-    return _Template(proto=proto, float_proto=float_proto, ranges=ranges,
-                     pinned=frozenset(through_data_movement(float_dir / entry.file, pinned)))
+
+    def finish(proto: onnx.ModelProto, float_graph: onnx.ModelProto) -> None:
+        to_block_weights(proto, float_graph, float_dir / WEIGHTS_FILE, grids=grids, float_blocks=float_blocks)
+        shared.absorb(proto)
+
+    through = frozenset(through_data_movement(float_dir / entry.file, pinned))
+    if quant.max_group_bytes is None:
+        qpath = work / "q" / entry.file
+        qpath.parent.mkdir()
+        ranges = quantize_graph(float_dir / entry.file, qpath, reader=trace_reader(feeds, steps), quant=quant.quant,
+                                pinned=pinned, weight_overrides=overrides)
+        proto = signed_matmul_operands(strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned))
+        finish(proto, float_proto)
+        shutil.rmtree(qpath.parent)
+        return _Template(proto=proto, float_proto=float_proto, ranges=ranges, pinned=through)
+    kv_layer = {s.name: s.layer for s in (*entry.inputs, *entry.outputs) if s.layer is not None}
+    groups = split_template(float_dir / entry.file, kv_layer=kv_layer, num_layers=config.num_layers,
+                            hidden_size=config.hidden_size, max_bytes=quant.max_group_bytes)
+    proto, ranges = quantize_groups(groups, lambda: feeds.iterate(steps), order=float_proto.graph, work=work,
+                                    quant=quant.quant, pinned=pinned, weight_overrides=overrides, finish=finish)
+    return _Template(proto=proto, float_proto=float_proto, ranges=ranges, pinned=through, groups=tuple(groups))
 
 
 def _sink_template(template: _Template, float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant,
                    config) -> _Template:
-    """The template with its activation parameters calibrated on first tokens only (calibration/traces.py)."""
-    ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
-                               _step_reader(fm, steps, fq=fq, config=config), sorted(template.ranges))
+    """The template with its activation parameters calibrated on first tokens only (calibration/traces.py), one
+    layer group at a time when the template was quantized so."""
+    names = sorted(template.ranges)
+    if template.groups:
+        feeds = _step_feeds(fm, fq=fq, config=config)
+        ranges = group_ranges(list(template.groups), lambda: feeds.iterate(steps), names)
+    else:
+        ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
+                                   _step_reader(fm, steps, fq=fq, config=config), names)
     proto = signed_matmul_operands(recalibrated(template.proto, calibrated=template.ranges, ranges=ranges,
                                                 pinned=template.pinned))  # int16 copies follow the new ranges
     return dataclasses.replace(template, proto=proto, ranges=ranges)
