@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from staticlm.export.calibration.groups import Group, split_template
+from staticlm.export.calibration.streamed import record_traces_streamed
 from staticlm.export.calibration.traces import (
     StepFeeds,
     Traces,
@@ -49,7 +51,7 @@ from staticlm.runtime.text.chat_template import Message
 
 from . import gptq
 from .blocks import grid_overrides, to_block_weights
-from .groups import Group, group_ranges, quantize_groups, split_template
+from .groups import group_ranges, quantize_groups
 from .kv_only import add_kv_boundary
 from .memory import check_memory, out_of_memory
 from .qdq import (
@@ -317,9 +319,13 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
         fm = export_family(model, float_dir, options=options)
         step("float family")
         ids, eos, first_tokens = _prompt_ids(float_dir, prompts or calibration_prompts())
-        traces = record_traces(float_dir, ids, max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS,
-                               eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
-                               max_past_rows=template_entry(fm.graphs).shape.past_len)
+        record = dict(max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS, eos_ids=eos,
+                      sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
+                      max_past_rows=template_entry(fm.graphs).shape.past_len)
+        if quant.max_group_bytes is None:  # the whole float family through the Engine
+            traces = record_traces(float_dir, ids, **record)
+        else:
+            traces = record_traces_streamed(float_dir, fm, ids, max_bytes=quant.max_group_bytes, **record)
         fq = family_quant(traces, quant, rope_bound=config.rope_attention_factor)
         if quant.quant is Quant.KV_ONLY:  # float weights, unchanged: the float family's file as it is
             shutil.copyfile(float_dir / WEIGHTS_FILE, final / WEIGHTS_FILE)

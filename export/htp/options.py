@@ -4,10 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from staticlm.errors import InvalidOption
+from staticlm.export.calibration.groups import MAX_GROUP_BYTES
 from staticlm.export.gptq.options import GptqOptions
 from staticlm.runtime.family.quant_params import KVBits, Quant
-
-from .groups import MAX_GROUP_BYTES
 
 
 @dataclass(frozen=True)
