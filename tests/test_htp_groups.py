@@ -1,11 +1,16 @@
-"""The HTP export calibrated and quantized one layer group at a time (export/htp/groups.py, issue 34) against the same
-export quantized whole (ONNX Runtime's quantizer over the whole template, as every HTP export did before groups):
-the same family, file for file: QDQ scales, zero points, weights, nodes, the weight file's bytes."""
+"""The HTP export one layer group at a time (issue 34) against the same export with the whole float model, as every
+HTP export ran before groups:
+- calibrated and quantized by groups (export/htp/groups.py) on the same recorded traces, against ONNX Runtime's
+  quantizer over the whole template: the same family, file for file (QDQ scales, zero points, weights, nodes, the
+  weight file's bytes);
+- the traces recorded by groups (export/calibration/streamed.py) against the float family run by the Engine: the
+  same steps (tokens, positions, windows), their KV rows and the ranges equal up to float rounding."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from conftest import TINY_CONTEXTS, TINY_PREFILL
@@ -36,8 +41,13 @@ def _graph(path: Path) -> tuple[dict, dict, list, list]:
 
 
 def test_a_family_quantized_by_layer_groups_equals_the_family_quantized_whole(tiny_hf_dir, tmp_path, monkeypatch):
-    from staticlm.export.htp import family, groups
+    from staticlm.export.calibration import groups
+    from staticlm.export.calibration.traces import record_traces
+    from staticlm.export.htp import family
 
+    # the same traces for both (the Engine's); the streamed recording is compared on its own below
+    monkeypatch.setattr(family, "record_traces_streamed", lambda float_dir, _fm, ids, max_bytes, **kw:
+                        record_traces(float_dir, ids, **kw))
     split = []
     monkeypatch.setattr(family, "split_template", lambda *a, **kw: split.append(groups.split_template(*a, **kw))
                         or split[-1])
@@ -58,10 +68,41 @@ def test_a_family_quantized_by_layer_groups_equals_the_family_quantized_whole(ti
     assert (grouped / "weights.bin").read_bytes() == (whole / "weights.bin").read_bytes()
 
 
+@pytest.fixture(scope="module")
+def float_family(tiny_hf_dir, tmp_path_factory):
+    from staticlm.export.family import export_family
+    from staticlm.export.sources import load_model
+
+    options = ExportOptions(contexts=(64, 256), prefill_len=TINY_PREFILL, verify_lens=(4,), batch_sizes=(),
+                            htp_style=True)  # a context past the short chats: the long conversation and its replay
+    out = tmp_path_factory.mktemp("streamed") / "float"
+    return out, export_family(load_model(tiny_hf_dir), out, options=options)
+
+
+def test_traces_recorded_by_layer_groups_equal_the_engines_up_to_rounding(float_family):
+    from staticlm.export.calibration.streamed import record_traces_streamed
+    from staticlm.export.calibration.traces import calibration_prompts, record_traces, template_entry
+    from staticlm.export.htp.family import _prompt_ids
+
+    float_dir, fm = float_family
+    ids, eos, first = _prompt_ids(float_dir, calibration_prompts())
+    record = dict(max_steps=16, max_new_tokens=24, eos_ids=eos, sink_ids=first,
+                  max_past_rows=template_entry(fm.graphs).shape.past_len)
+    want = record_traces(float_dir, ids, **record)
+    got = record_traces_streamed(float_dir, fm, ids, max_bytes=0, **record)  # one layer a group
+    assert len(want.replay_steps) > 0 and len(want.sink_steps) > 0
+    for a, b in zip((*want.steps, *want.replay_steps), (*got.steps, *got.replay_steps), strict=True):
+        assert (b.position, b.token_ids.tolist(), b.past.shape) == (a.position, a.token_ids.tolist(), a.past.shape)
+        np.testing.assert_allclose(b.past, a.past, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got.kv_min, want.kv_min, atol=1e-5)
+    np.testing.assert_allclose(got.kv_max, want.kv_max, atol=1e-5)
+    assert (got.logits_min, got.logits_max) == pytest.approx((want.logits_min, want.logits_max), abs=1e-4)
+
+
 def test_layer_groups_keep_within_the_bytes_a_layer_over_them_alone():
     from onnx import helper
 
-    from staticlm.export.htp.groups import layer_groups_within
+    from staticlm.export.calibration.groups import layer_groups_within
 
     def init(name: str, n: int) -> onnx.TensorProto:
         return helper.make_tensor(name, onnx.TensorProto.FLOAT, [n], [0.0] * n)
