@@ -39,7 +39,7 @@ from staticlm.export.family import (
     staging_dir,
 )
 from staticlm.export.gptq.calibrated import round_on_traces
-from staticlm.export.graph.htp_grids import ProjectionGrids
+from staticlm.export.graph.htp_grids import ProjectionGrids, projection_sources
 from staticlm.export.htp.options import QuantOptions
 from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
@@ -53,7 +53,7 @@ from . import gptq
 from .blocks import grid_overrides, to_block_weights
 from .groups import group_ranges, quantize_groups
 from .kv_only import add_kv_boundary
-from .memory import check_memory, out_of_memory
+from .memory import ExportSize, check_memory, export_size, out_of_memory
 from .qdq import (
     Ranges,
     boundary_params,
@@ -290,28 +290,39 @@ def _scratch(out_dir: Path):
 def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
                             prompts: list[str] | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
     """Write the quantized family into out_dir atomically; returns its manifest."""
+    size = _export_size(model, options, quant)
     try:
-        return _export(model, out_dir, options=options, quant=quant, prompts=prompts, on_step=on_step)
+        return _export(model, out_dir, options=options, quant=quant, prompts=prompts, on_step=on_step, size=size)
     except MemoryError:  # numpy's or onnxruntime's allocation failed: nothing written (staged_family)
-        raise out_of_memory(_float_weight_bytes(model)) from None
+        raise out_of_memory(size, streamed=_streamed(model, quant)) from None
 
 
-def _float_weight_bytes(model: LoadedModel) -> int:
-    """About the float family's weights from the shapes alone (float32; embedding and head each their own table)."""
-    c = model.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
-    return 4 * (c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size)
+def _streamed(model: LoadedModel, quant: QuantOptions) -> bool:
+    """One layer group in memory at a time: by groups, and no GPTQ over the whole float model (a float source's
+    projections, gptq.py and gptq/calibrated.py; a GGUF's grids are kept, never rounded again)."""
+    rounds = quant.quant is Quant.W8A16 or quant.block_gptq is not None
+    every_grid = all(hf in model.grids for parts in projection_sources(model.config).values() for hf, _ in parts)
+    return quant.max_group_bytes is not None and (every_grid or not rounds)
+
+
+def _export_size(model: LoadedModel, options: ExportOptions, quant: QuantOptions) -> ExportSize:
+    """From the shapes alone: the template's window (the smallest context's prefill graph), the steps kept (the
+    calibration steps, the long conversation re-read in chunks, the sink steps)."""
+    num_prompts = len(calibration_prompts())
+    max_context = max(options.contexts)
+    return export_size(model.config, max_group_bytes=quant.max_group_bytes,
+                       num_steps=quant.calib_steps + max_context // options.prefill_len + 2 * num_prompts,
+                       window_rows=min(options.contexts) - options.prefill_len, max_context=max_context)
 
 
 def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
-            prompts: list[str] | None, on_step: Callable[[str], None] | None) -> Manifest:
+            prompts: list[str] | None, on_step: Callable[[str], None] | None, size: ExportSize) -> Manifest:
     config, out_dir = model.config, Path(out_dir)
     segment_shapes = htp_segment_shapes(options, local_layers=bool(config.local_layers))
     options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see export/graph/htp_style.py
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
-    check_memory(_float_weight_bytes(model))  # before anything is written
+    check_memory(size, streamed=_streamed(model, quant))  # before anything is written
     step = on_step or (lambda _name: None)
     rounding = None
     with staged_family(out_dir) as final, _scratch(out_dir) as work:
