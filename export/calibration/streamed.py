@@ -10,8 +10,8 @@ Where it differs from record_traces, and why:
 - The long conversation's answers are each prompt's answer alone (its short chat's greedy tokens), not the greedy
   tokens in the conversation's context: those would take one sweep over the groups per token, one after another
   (about a thousand sweeps for a 2K context).
-- Rows are computed in the largest context's prefill and decode graphs, where the Engine picks the smallest window
-  holding the rows and pairs lone rows: the same arithmetic, rounded differently in the last bits.
+- A lone decode row runs alone here, where the Engine pairs it with the row before it (Engine.pairs_rows), and the
+  first token of a prompt in a prefill graph: the same arithmetic, rounded differently in the last bits.
 The steps kept (strides, windows, sink steps, replay steps) and the KV and logits ranges follow record_traces's
 rules: ranges over every row written and over each run's last row's logits.
 """
@@ -41,37 +41,56 @@ class _Sequence:
 
 
 class _GroupedGraph:
-    """One float family graph cut into layer groups, run over jobs (sequence, first row, number of rows)."""
+    """One float family graph cut into layer groups (when first run)."""
 
     def __init__(self, float_dir: Path, entry: GraphEntry, *, config, max_bytes: int) -> None:
-        kv_layer = {s.name: s.layer for s in (*entry.inputs, *entry.outputs) if s.layer is not None}
-        self.groups = split_template(float_dir / entry.file, kv_layer=kv_layer, num_layers=config.num_layers,
-                                     hidden_size=config.hidden_size, max_bytes=max_bytes)
+        self.float_dir, self.entry, self.config, self.max_bytes = float_dir, entry, config, max_bytes
         self.feeds = StepFeeds(entry.inputs, entry.shape, config=config, mask_value=MASK_VALUE)
-        self.ar = entry.shape.ar
         self.new_kv = {s.name: kv_tensor_index(layer=s.layer, kv_head=s.kv_head, is_value=s.role == KV_OUTPUT_ROLES[1],
                                                num_kv_heads=config.num_kv_heads)
                        for s in entry.outputs if s.role in KV_OUTPUT_ROLES}
+        self._groups: list | None = None
 
-    def sweep(self, jobs: list[tuple[_Sequence, int, int]], on_logits) -> None:
-        """Each job's rows through every group, in order (a sequence's later rows read its earlier ones' KV);
-        on_logits(sequence, first row, logits [rows, V]) with the last group's."""
-        import onnxruntime as ort
+    @property
+    def groups(self) -> list:
+        if self._groups is None:
+            kv_layer = {s.name: s.layer for s in (*self.entry.inputs, *self.entry.outputs) if s.layer is not None}
+            self._groups = split_template(self.float_dir / self.entry.file, kv_layer=kv_layer,
+                                          num_layers=self.config.num_layers, hidden_size=self.config.hidden_size,
+                                          max_bytes=self.max_bytes)
+        return self._groups
 
-        hidden: list[np.ndarray | None] = [None] * len(jobs)
-        for group in self.groups:
+    def fits(self, start: int, count: int) -> bool:
+        return start <= self.entry.shape.past_len and count <= self.entry.shape.ar
+
+
+def _sweep(ladder: list[_GroupedGraph], jobs: list[tuple[_Sequence, int, int]], on_logits) -> None:
+    """Each job's rows through every group, one group's weights in memory at a time; each job in the smallest window
+    of the ladder that holds its rows (as the Engine picks). Within a group the graphs run smallest window first, so
+    a sequence's rows still run in order (a later row reads an earlier one's KV: a sequence only grows into larger
+    windows). on_logits(sequence, first row, logits [rows, V]) with the last group's."""
+    import onnxruntime as ort
+
+    graph_of = [next(g for g in ladder if g.fits(start, count)) for _seq, start, count in jobs]
+    used = [g for g in ladder if g in graph_of]
+    hidden: list[np.ndarray | None] = [None] * len(jobs)
+    for k in range(len(used[0].groups) if used else 0):
+        for graph in used:
+            group = graph.groups[k]
             session = ort.InferenceSession(str(group.path), providers=["CPUExecutionProvider"])
             wanted = {v.name for v in group.proto.graph.input}
             outputs = [o.name for o in group.proto.graph.output]
             for i, (seq, start, count) in enumerate(jobs):
+                if graph_of[i] is not graph:
+                    continue
                 step = TraceStep(seq.kv[:, :start], np.asarray(seq.tokens[start:start + count], np.int64), start)
-                feeds = {n: v for n, v in self.feeds.feeds(step, only=wanted).items() if n in wanted}
+                feeds = {n: v for n, v in graph.feeds.feeds(step, only=wanted).items() if n in wanted}
                 if group.hidden_in is not None:
                     feeds[group.hidden_in] = hidden[i]
                 values = dict(zip(outputs, session.run(outputs, feeds)))
                 for name, value in values.items():
-                    if name in self.new_kv:
-                        seq.kv[self.new_kv[name], start:start + count] = value[0, 0, :count]  # [1, 1, AR, D]
+                    if name in graph.new_kv:
+                        seq.kv[graph.new_kv[name], start:start + count] = value[0, 0, :count]  # [1, 1, AR, D]
                 hidden[i] = values.get(group.hidden_out) if group.hidden_out else None
                 if "logits" in values:
                     on_logits(seq, start, values["logits"][0, :count])  # [1, AR, V]
@@ -90,11 +109,12 @@ class _Ranges:
                 self.logits_max = max(self.logits_max, float(row.max()))
 
 
-def _graphs(fm: Manifest) -> tuple[GraphEntry, GraphEntry]:
-    """The largest context's decode graph and its prefill graph of the most rows."""
-    decode = fm.graphs_of(GraphKind.DECODE)[-1]
-    prefill = max(fm.graphs_of(GraphKind.PREFILL), key=lambda g: (g.shape.context, g.shape.ar))
-    return decode, prefill
+def _ladders(float_dir: Path, fm: Manifest, *, max_bytes: int) -> tuple[list[_GroupedGraph], list[_GroupedGraph]]:
+    """The decode graphs and the prefill graphs of the most rows, smallest window first."""
+    prefill = fm.graphs_of(GraphKind.PREFILL)
+    chunk = max(g.shape.ar for g in prefill)
+    return tuple([_GroupedGraph(float_dir, e, config=fm.model, max_bytes=max_bytes) for e in entries]
+                 for entries in (fm.graphs_of(GraphKind.DECODE), [g for g in prefill if g.shape.ar == chunk]))
 
 
 def _chunks(seq: _Sequence, start: int, end: int, *, chunk: int, max_start: int) -> tuple[list, list]:
@@ -112,13 +132,11 @@ def record_traces_streamed(float_dir: Path, fm: Manifest, prompt_ids: list[list[
     """record_traces's traces (same arguments, fm: the float family's manifest), one layer group in memory at a
     time (see the module docstring for what differs)."""
     config = fm.model
-    decode_entry, prefill_entry = _graphs(fm)
-    decode = _GroupedGraph(float_dir, decode_entry, config=config, max_bytes=max_bytes)
-    prefill = _GroupedGraph(float_dir, prefill_entry, config=config, max_bytes=max_bytes)
-    chunk, max_context = prefill.ar, decode_entry.shape.past_len + 1
+    decode, prefill = _ladders(float_dir, fm, max_bytes=max_bytes)
+    chunk, max_context = prefill[-1].entry.shape.ar, decode[-1].entry.shape.past_len + 1
     room, max_rows = max_context - 1, max_past_rows or max_context
-    max_prefill_start = prefill_entry.shape.past_len
-    num_tensors = len(decode.new_kv)
+    max_prefill_start = prefill[-1].entry.shape.past_len
+    num_tensors = len(decode[0].new_kv)
     ranges = _Ranges()
 
     def sequence(tokens: list[int], capacity: int) -> _Sequence:
@@ -147,9 +165,9 @@ def record_traces_streamed(float_dir: Path, fm: Manifest, prompt_ids: list[list[
         chunks, rows = _chunks(seq, 1, len(seq.tokens), chunk=chunk, max_start=max_prefill_start)
         jobs += [(seq, 0, 1), *chunks]
         tail += rows
-    prefill.sweep(jobs, ranges.logits)
+    _sweep(prefill, jobs, ranges.logits)
     if tail:
-        decode.sweep(tail, ranges.logits)
+        _sweep(decode, tail, ranges.logits)
     for seq in sinks + chats:
         seq.num_rows = len(seq.tokens)
     active = list(chats)
@@ -166,7 +184,7 @@ def record_traces_streamed(float_dir: Path, fm: Manifest, prompt_ids: list[list[
             seq.num_rows += 1
         if not jobs:
             break
-        decode.sweep(jobs, ranges.logits)
+        _sweep(decode, jobs, ranges.logits)
         active = [seq for seq, _start, _count in jobs]
     steps: list[TraceStep] = []
     chunk_no = decode_no = 0
@@ -188,9 +206,9 @@ def record_traces_streamed(float_dir: Path, fm: Manifest, prompt_ids: list[list[
         long, long_steps = _long_conversation(prompt_ids, [c.answer for c in chats], room=room, chunk=chunk,
                                               num_steps=num_long, make=lambda tokens: sequence(tokens, room + 1))
         chunks, rows = _chunks(long, 0, len(long.tokens), chunk=chunk, max_start=max_prefill_start)
-        prefill.sweep(chunks, ranges.logits)
+        _sweep(prefill, chunks, ranges.logits)
         if rows:
-            decode.sweep(rows, ranges.logits)
+            _sweep(decode, rows, ranges.logits)
         long.num_rows = len(long.tokens)
         steps += [_step(long, start, tokens, max_rows) for start, tokens in long_steps]
         replay = [_step(long, p, long.tokens[p:p + chunk], max_rows)
