@@ -116,5 +116,27 @@ def test_layer_groups_keep_within_the_bytes_a_layer_over_them_alone():
     assert layer_groups_within(model, 6, max_bytes=1 << 30) == [(0, 6)]
 
 
+def test_the_memory_check_bounds_a_streamed_export_by_its_largest_group_not_the_model():
+    """The pre-flight bound (export/htp/memory.py): streamed, it grows with one layer group and the traces, so a
+    3B-shaped model (refused before on a 24 GiB machine: 2.3 x 13.4 GB of float weights) fits a 16 GB laptop, and
+    twice the layers add only their traces."""
+    from types import SimpleNamespace
+
+    from staticlm.apps.bench.synthetic_gguf import SHAPES
+    from staticlm.export.htp.memory import export_size
+
+    def size(name: str, *, layers: int = 1):
+        s = SHAPES[name]
+        config = SimpleNamespace(num_layers=s.num_layers * layers, hidden_size=s.hidden_size,
+                                 intermediate_size=s.intermediate_size, num_heads=s.num_heads,
+                                 num_kv_heads=s.num_kv_heads, head_dim=s.hidden_size // s.num_heads,
+                                 vocab_size=s.vocab_size)
+        return export_size(config, max_group_bytes=512 << 20, num_steps=100, window_rows=192, max_context=2048)
+
+    three, deeper = size("qwen2.5-3b"), size("qwen2.5-3b", layers=2)
+    assert three.bytes_needed(streamed=False) > 24 << 30 > 16e9 > three.bytes_needed(streamed=True)
+    assert deeper.bytes_needed(streamed=True) - three.bytes_needed(streamed=True) == deeper.traces - three.traces
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
