@@ -4,6 +4,9 @@ group's weights are in memory at a time: the HTP export's trace recording (strea
 quantization (export/htp/groups.py)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,3 +70,24 @@ def split_template(float_path: Path, *, kv_layer: dict[str, int], num_layers: in
         onnx.save_model(part, path)
         out.append(Group(path, part, hidden_in, hidden_out))
     return out
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()
+
+
+def release_memory() -> None:
+    """After a group: its objects collected, and the C heap's free pages given back to the system (glibc's
+    malloc_trim; elsewhere a no-op). Without it the heap keeps what one group's quantizer or session freed, and the
+    next group's peak lands on top of it."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

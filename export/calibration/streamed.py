@@ -26,7 +26,7 @@ from staticlm.kv_manager.mask import MASK_VALUE
 from staticlm.runtime.family.contract import KV_OUTPUT_ROLES, kv_tensor_index
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest
 
-from .groups import MAX_GROUP_BYTES, split_template
+from .groups import MAX_GROUP_BYTES, release_memory, split_template
 from .traces import StepFeeds, Traces, TraceStep, window_rows
 
 
@@ -95,6 +95,7 @@ def _sweep(ladder: list[_GroupedGraph], jobs: list[tuple[_Sequence, int, int]], 
                 if "logits" in values:
                     on_logits(seq, start, values["logits"][0, :count])  # [1, AR, V]
             del session
+            release_memory()
 
 
 class _Ranges:

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 
 from staticlm.export.calibration.activations import tensor_values
-from staticlm.export.calibration.groups import Group
+from staticlm.export.calibration.groups import Group, release_memory
 from staticlm.runtime.family.quant_params import TensorQuant
 
 from .qdq import (
@@ -69,6 +69,7 @@ def group_ranges(groups: list[Group], feeds: Callable[[], Iterable[dict]], names
         own = _own_names(group, names)
         got, hidden = calibrate_group(group, feeds(), hidden, own)
         ranges.update(got)
+        release_memory()
     return ranges
 
 
@@ -103,6 +104,7 @@ def quantize_groups(groups: list[Group], feeds: Callable[[], Iterable[dict]], *,
         finish(proto, group.proto)
         shutil.rmtree(qdir)
         quantized.append(proto)
+        release_memory()
     return join(quantized, [g.hidden_out for g in groups[:-1]], order=order), ranges
 
 
