@@ -43,7 +43,13 @@ def _graph(path: Path) -> tuple[dict, dict, list, list]:
 def test_a_family_quantized_by_layer_groups_equals_the_family_quantized_whole(tiny_hf_dir, tmp_path, monkeypatch):
     from staticlm.export.calibration import groups
     from staticlm.export.calibration.traces import record_traces
-    from staticlm.export.htp import family
+    from staticlm.export.htp import family, tables
+    from staticlm.export.htp import groups as htp_groups
+
+    monkeypatch.setattr(tables, "MIN_TABLE_BYTES", 0)  # the embedding and the head quantized by tables.py
+    filled = []
+    monkeypatch.setattr(htp_groups, "fill_tables", lambda model, found, *a: filled.extend(t.name for t in found)
+                        or tables.fill_tables(model, found, *a))
 
     # the same traces for both (the Engine's); the streamed recording is compared on its own below
     monkeypatch.setattr(family, "record_traces_streamed", lambda float_dir, _fm, ids, max_bytes, **kw:
@@ -55,6 +61,7 @@ def test_a_family_quantized_by_layer_groups_equals_the_family_quantized_whole(ti
     assert not split  # the whole template in one quantizer pass
     grouped = _export(tiny_hf_dir, tmp_path / "grouped", max_group_bytes=0)  # one layer a group
     assert [len(s) for s in split] == [2, 2]  # the single graphs' template and the segmented one, 2 layers each
+    assert sorted(filled) == ["embed", "embed", "lm_head_t", "lm_head_t"]
 
     a, b = (json.loads((d / "manifest.json").read_text()) for d in (whole, grouped))
     assert a["quantization"] == b["quantization"]  # the family's boundary parameters

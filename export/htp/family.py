@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from staticlm.export.calibration.groups import Group, split_template
 from staticlm.export.calibration.streamed import record_traces_streamed
@@ -147,9 +148,27 @@ class _SharedInitializers:
 
     def __init__(self, writer: WeightFileWriter) -> None:
         self.writer, self._sha = writer, {}
+        self._pending: dict[str, tuple] = {}  # tables.py's tables, written in absorb's order
+
+    def write_table(self, name: str, dtype, shape: tuple[int, ...], blocks, key: str) -> onnx.TensorProto:
+        """A table quantized block by block (tables.py), written into the file once when absorb reaches it (the
+        file's order stays the graph's); key: its parameters, which every graph reading it must share."""
+        if name in self._sha and self._sha[name] != key:
+            raise ExportError(f"initializer {name} differs between graphs of one family")
+        self._pending[name] = (dtype, shape, blocks, key)
+        proto = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        proto.dims.extend(shape)
+        return proto
 
     def absorb(self, model: onnx.ModelProto) -> None:
         for i, init in enumerate(model.graph.initializer):
+            if init.name in self._pending:
+                dtype, shape, blocks, key = self._pending.pop(init.name)
+                if init.name not in self._sha:
+                    self.writer.add_blocks(init.name, dtype, shape, blocks)
+                    self._sha[init.name] = key
+                model.graph.initializer[i].CopyFrom(self.writer.proto(init.name))
+                continue
             raw = init.raw_data
             if len(raw) < INLINE_LIMIT:
                 continue
@@ -245,7 +264,8 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
     groups = split_template(float_dir / entry.file, kv_layer=kv_layer, num_layers=config.num_layers,
                             hidden_size=config.hidden_size, max_bytes=quant.max_group_bytes)
     proto, ranges = quantize_groups(groups, lambda: feeds.iterate(steps), order=float_proto.graph, work=work,
-                                    quant=quant.quant, pinned=pinned, weight_overrides=overrides, finish=finish)
+                                    quant=quant.quant, pinned=pinned, weight_overrides=overrides, finish=finish,
+                                    weights=float_dir / WEIGHTS_FILE, write_table=shared.write_table)
     return _Template(proto=proto, float_proto=float_proto, ranges=ranges, pinned=through, groups=tuple(groups))
 
 

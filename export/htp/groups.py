@@ -35,6 +35,7 @@ from .qdq import (
     strip_boundary,
     tensors_to_calibrate,
 )
+from .tables import WriteTable, fill_tables, large_tables, with_stand_ins
 
 Q_INPUT, Q_NODE, DQ_NODE = "_QuantizeLinear_Input", "_QuantizeLinear", "_DequantizeLinear"
 
@@ -80,10 +81,12 @@ def _own_names(group: Group, names: Iterable[str]) -> list[str]:
 
 
 def quantize_groups(groups: list[Group], feeds: Callable[[], Iterable[dict]], *, order: onnx.GraphProto, work: Path,
-                    quant, pinned: dict[str, TensorQuant], weight_overrides: dict[str, list[dict]],
+                    quant, pinned: dict[str, TensorQuant], weight_overrides: dict[str, list[dict]], weights: Path,
+                    write_table: WriteTable,
                     finish: Callable[[onnx.ModelProto, onnx.ModelProto], None]) -> tuple[onnx.ModelProto, Ranges]:
     """Each group calibrated on the steps and quantized (pinned: graph I/O parameters; finish(quantized, float group):
-    its weights made final and moved out, in place); the groups joined, and every calibrated range."""
+    its weights made final and moved out, in place; weights: the float weight file; write_table: a large table
+    into the family's file, tables.py); the groups joined, and every calibrated range."""
     ranges: Ranges = {}
     quantized: list[onnx.ModelProto] = []
     hidden = None
@@ -92,15 +95,22 @@ def quantize_groups(groups: list[Group], feeds: Callable[[], Iterable[dict]], *,
         present = {i.name for i in g.initializer} | {o for n in g.node for o in n.output} | {v.name for v in g.input}
         own_pinned = {n: t for n, t in pinned.items() if n in present}
         overrides = {n: o for n, o in weight_overrides.items() if n in present}
-        config = qdq_config(group.path, quant=quant, pinned=own_pinned, weight_overrides=overrides)
+        tables = large_tables(group.proto, overrides)  # quantized here, not by the quantizer (tables.py)
+        source = group.path
+        if tables:
+            source = group.path.with_name(f"{group.path.stem}.stand_ins.onnx")
+            onnx.save_model(with_stand_ins(group.proto, tables, weights), source)
+        config = qdq_config(source, quant=quant, pinned=own_pinned, weight_overrides=overrides)
         names = tensors_to_calibrate(group.proto, config.op_types_to_quantize)
         got, hidden = calibrate_group(group, feeds(), hidden, names)
         ranges.update(got)
+        release_memory()
         qdir = work / f"group{k}"
         qdir.mkdir()
         qpath = qdir / group.path.name
-        quantize_with_ranges(group.path, qpath, config, got)
+        quantize_with_ranges(source, qpath, config, got)
         proto = signed_matmul_operands(strip_boundary(onnx.load(str(qpath), load_external_data=True), own_pinned))
+        fill_tables(proto, tables, weights, write_table)
         finish(proto, group.proto)
         shutil.rmtree(qdir)
         quantized.append(proto)
