@@ -229,11 +229,11 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
                         quant: QuantOptions, config, shared: _SharedInitializers,
                         rounded: dict[str, list[dict]] | None = None,
                         grids: ProjectionGrids | None = None, entry: GraphEntry | None = None, feeds=None,
-                        pinned: dict | None = None) -> _Template:
+                        pinned: dict | None = None, drop_pages: Callable[[], None] = lambda: None) -> _Template:
     """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps, one layer group
     at a time (groups.py; quant.max_group_bytes None: the whole graph at once); grids: the projections that keep the
     source's grid (none when not given). entry, feeds, pinned: another template (the segmented graphs':
-    segment_export.py), its step feeds and its pinned parameters."""
+    segment_export.py), its step feeds and its pinned parameters. drop_pages: the source's (LoadedModel)."""
     entry = entry or template_entry(fm.graphs)
     if pinned is None:
         pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
@@ -249,6 +249,7 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
     def finish(proto: onnx.ModelProto, float_graph: onnx.ModelProto) -> None:
         to_block_weights(proto, float_graph, float_dir / WEIGHTS_FILE, grids=grids, float_blocks=float_blocks)
         shared.absorb(proto)
+        drop_pages()  # the source's grids this group read
 
     through = frozenset(through_data_movement(float_dir / entry.file, pinned))
     if quant.max_group_bytes is None:
@@ -348,6 +349,7 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
     with staged_family(out_dir) as final, _scratch(out_dir) as work:
         float_dir = work / "float"
         fm = export_family(model, float_dir, options=options)
+        model.drop_pages()  # the source's file, read whole for the float family
         step("float family")
         ids, eos, first_tokens = _prompt_ids(float_dir, prompts or calibration_prompts())
         record = dict(max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS, eos_ids=eos,
@@ -377,7 +379,8 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
                                        grids=grids) if quant.quant is Quant.W8A16 else None)
             step("GPTQ")
             template = _quantized_template(float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant,
-                                           config=config, shared=shared, rounded=rounded, grids=grids)
+                                           config=config, shared=shared, rounded=rounded, grids=grids,
+                                           drop_pages=model.drop_pages)
             sink = _sink_template(template, float_dir, fm, traces.sink_steps, fq=fq, config=config)
             step("quantized template")
         entries = []
@@ -400,7 +403,8 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
                 float_dir, final, fm, shapes=segment_shapes, fq=fq, dtypes=io_dtypes(fq), config=config,
                 on_step=step, quantize=lambda entry, feeds, pinned: _quantized_template(
                     float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant, config=config,
-                    shared=shared, rounded=rounded, grids=grids, entry=entry, feeds=feeds, pinned=pinned))
+                    shared=shared, rounded=rounded, grids=grids, entry=entry, feeds=feeds, pinned=pinned,
+                    drop_pages=model.drop_pages))
             weights_bytes, weights_sha = writer.close()
         shutil.copyfile(float_dir / TOKENIZER_FILE, final / TOKENIZER_FILE)
         manifest = Manifest(
