@@ -36,16 +36,27 @@ class WeightFileWriter:
         if name in self._tensors:
             raise ValueError(f"weight {name!r} written twice")
         array = np.ascontiguousarray(array)
+        return self.add_blocks(name, array.dtype, array.shape, [array])
+
+    def add_blocks(self, name: str, dtype, shape: tuple[int, ...], blocks) -> ExternalTensor:
+        """One tensor written from consecutive blocks of its rows (C order), none of it held whole: a transposed
+        table a block of rows at a time."""
+        if name in self._tensors:
+            raise ValueError(f"weight {name!r} written twice")
         pad = (-self._file.tell()) % ALIGNMENT
         if pad:
             self._write(b"\0" * pad)
         offset = self._file.tell()
-        self._write(array.tobytes())
-        entry = ExternalTensor(name, array.dtype, tuple(array.shape), offset, array.nbytes)
+        for block in blocks:  # written from the array's own memory (tobytes would copy it)
+            self._write(memoryview(np.ascontiguousarray(block, dtype=dtype).reshape(-1).view(np.uint8)))
+        length = self._file.tell() - offset
+        entry = ExternalTensor(name, np.dtype(dtype), tuple(shape), offset, length)
+        if length != int(np.prod(shape, dtype=np.int64)) * entry.dtype.itemsize:
+            raise ValueError(f"weight {name!r}: {length} bytes written for shape {shape}")
         self._tensors[name] = entry
         return entry
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data) -> None:
         self._file.write(data)
         self._hash.update(data)
 

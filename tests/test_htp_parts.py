@@ -209,6 +209,7 @@ def test_low_memory_is_one_line_with_the_bytes_needed(tiny_hf_dir, tmp_path, mon
 
     monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: _Tiny())
     monkeypatch.setattr(memory, "PEAK_PER_FLOAT_BYTE", 1e6)
+    monkeypatch.setattr(memory, "PEAK_PER_GROUP_BYTE", 1e6)  # streamed (the default): one group's bound
     out = tmp_path / "family"
     with pytest.raises(ExportError, match=r"needs about \d+ bytes .* of memory and \d+ are free") as info:
         export_quantized_family(load_model(tiny_hf_dir), out, options=_options(),

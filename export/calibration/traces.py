@@ -249,12 +249,13 @@ class StepFeeds:
         multi-row graph calibrates the ranges of both kinds of step."""
         return tuple(s for s in steps if s.token_ids.size <= self.shape.ar) or steps
 
-    def feeds(self, step: TraceStep) -> dict[str, np.ndarray]:
+    def feeds(self, step: TraceStep, only: set[str] | None = None) -> dict[str, np.ndarray]:
         """The step's rows, then padding rows that repeat its last row exactly: the same token, position and
         mask row, so they compute that row's activations and add nothing to the calibrated ranges. The
         runtime's padding rows (the last token at the next positions, attending to each other) are dropped
         after the run, but a calibrator sees them: in SmolLM2 such repeats reach residual values far beyond
-        real rows', which would coarsen the 16-bit step for every real token."""
+        real rows', which would coarsen the 16-bit step for every real token. only: the KV inputs to make (a layer
+        group's, streamed.py), every one when None."""
         s, n = self.shape, step.position
         past = window_rows(step.past, s.past_len)
         ids = np.zeros((1, s.ar), np.int64)
@@ -268,13 +269,17 @@ class StepFeeds:
         bias = self._bias(lengths=np.array([kept]), past_len=s.past_len, ar=s.ar)  # [1, 1, AR, P + AR]
         bias[:, :, k:] = bias[:, :, k - 1:k]
         bias[bias < 0] = self.mask_value  # the level the quantized mask input represents
-        window = np.zeros((past.shape[0], s.past_len, past.shape[2]), np.float32)  # [T, P, D]
-        if kept:
-            window[:, s.past_len - kept:] = past  # left padding: valid rows at the right end
         feeds = {"input_ids": ids, "rope_cos": cos, "rope_sin": sin, "attention_bias": bias}
+        kv = [(name, t, local) for name, t, local in self._kv if only is None or name in only]
         local_window = self._local_feeds(step, k, feeds) if self._local_rope is not None else None
-        for name, t, local in self._kv:
-            feeds[name] = (local_window if local else window)[t][None, None]
+        for name, t, local in kv:
+            if local:
+                feeds[name] = local_window[t][None, None]
+                continue
+            window = np.zeros((1, 1, s.past_len, past.shape[2]), np.float32)  # [1, 1, P, D]
+            if kept:
+                window[0, 0, s.past_len - kept:] = past[t]  # left padding: valid rows at the right end
+            feeds[name] = window
         return feeds
 
     def _local_feeds(self, step: TraceStep, k: int, feeds: dict[str, np.ndarray]) -> np.ndarray:

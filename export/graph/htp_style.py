@@ -36,6 +36,7 @@ from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import GraphShape, Role, graph_io, kv_name
 
 HTP_OPSET = 21
+HEAD_BLOCK_ROWS = 64  # rows of the transposed head written at a time
 
 
 def _add_projection(writer: WeightFileWriter, name: str, w: np.ndarray, grids: ProjectionGrids) -> None:
@@ -65,9 +66,12 @@ def write_htp_weights(config: ModelConfig, model, *, writer: WeightFileWriter) -
     # Tied or not, the head gets its own [hidden, V] table: quantized per vocab column it keeps the logits'
     # order (one per-tensor 8-bit table for Gather and head cost SmolLM2 top-1 agreement; QNN's Gather
     # cannot read a per-column table). The quantized copy costs 2 V x hidden bytes (16-bit: 56 MB for SmolLM2).
-    writer.add("embed", hf["model.embed_tokens.weight"].astype(f32))
-    head = hf["model.embed_tokens.weight"] if c.tie_word_embeddings else hf["lm_head.weight"]
-    writer.add("lm_head_t", head.T.astype(f32))
+    # Each table read once and written as it is (no float32 copy of it): a 3B model's is 1.2 GB.
+    writer.add("embed", np.asarray(hf["model.embed_tokens.weight"], f32))
+    head = hf["model.embed_tokens.weight"] if c.tie_word_embeddings else hf["lm_head.weight"]  # [V, hidden]
+    blocks = (head[:, a:a + HEAD_BLOCK_ROWS].T for a in range(0, head.shape[1], HEAD_BLOCK_ROWS))  # [rows, V]
+    writer.add_blocks("lm_head_t", f32, head.shape[::-1], blocks)
+    del head
     writer.add("final_norm", hf["model.norm.weight"].astype(f32))
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."

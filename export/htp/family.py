@@ -18,7 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import helper
 
+from staticlm.export.calibration.groups import Group, split_template
+from staticlm.export.calibration.streamed import record_traces_streamed
 from staticlm.export.calibration.traces import (
     StepFeeds,
     Traces,
@@ -37,7 +40,7 @@ from staticlm.export.family import (
     staging_dir,
 )
 from staticlm.export.gptq.calibrated import round_on_traces
-from staticlm.export.graph.htp_grids import ProjectionGrids
+from staticlm.export.graph.htp_grids import ProjectionGrids, projection_sources
 from staticlm.export.htp.options import QuantOptions
 from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
@@ -49,8 +52,9 @@ from staticlm.runtime.text.chat_template import Message
 
 from . import gptq
 from .blocks import grid_overrides, to_block_weights
+from .groups import group_ranges, quantize_groups
 from .kv_only import add_kv_boundary
-from .memory import check_memory, out_of_memory
+from .memory import ExportSize, check_memory, export_size, out_of_memory
 from .qdq import (
     Ranges,
     boundary_params,
@@ -144,9 +148,27 @@ class _SharedInitializers:
 
     def __init__(self, writer: WeightFileWriter) -> None:
         self.writer, self._sha = writer, {}
+        self._pending: dict[str, tuple] = {}  # tables.py's tables, written in absorb's order
+
+    def write_table(self, name: str, dtype, shape: tuple[int, ...], blocks, key: str) -> onnx.TensorProto:
+        """A table quantized block by block (tables.py), written into the file once when absorb reaches it (the
+        file's order stays the graph's); key: its parameters, which every graph reading it must share."""
+        if name in self._sha and self._sha[name] != key:
+            raise ExportError(f"initializer {name} differs between graphs of one family")
+        self._pending[name] = (dtype, shape, blocks, key)
+        proto = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        proto.dims.extend(shape)
+        return proto
 
     def absorb(self, model: onnx.ModelProto) -> None:
         for i, init in enumerate(model.graph.initializer):
+            if init.name in self._pending:
+                dtype, shape, blocks, key = self._pending.pop(init.name)
+                if init.name not in self._sha:
+                    self.writer.add_blocks(init.name, dtype, shape, blocks)
+                    self._sha[init.name] = key
+                model.graph.initializer[i].CopyFrom(self.writer.proto(init.name))
+                continue
             raw = init.raw_data
             if len(raw) < INLINE_LIMIT:
                 continue
@@ -177,6 +199,7 @@ class _Template:
     float_proto: onnx.ModelProto  # the float graph it was made from (no weights loaded)
     ranges: Ranges  # the activation ranges it was calibrated with
     pinned: frozenset[str]  # tensors whose parameters are the family's (boundary, through data movement)
+    groups: tuple[Group, ...] = ()  # its float layer groups (groups.py); none: quantized whole
 
 
 def _step_feeds(fm: Manifest, *, fq: FamilyQuant, config) -> StepFeeds:
@@ -206,39 +229,58 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
                         quant: QuantOptions, config, shared: _SharedInitializers,
                         rounded: dict[str, list[dict]] | None = None,
                         grids: ProjectionGrids | None = None, entry: GraphEntry | None = None, feeds=None,
-                        pinned: dict | None = None) -> _Template:
-    """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps; grids: the
-    projections that keep the source's grid (none when not given). entry, feeds, pinned: another template (the
-    segmented graphs': segment_export.py), its step feeds and its pinned parameters."""
+                        pinned: dict | None = None, drop_pages: Callable[[], None] = lambda: None) -> _Template:
+    """A quantizer pass over the template graph (see template.py), calibrated on the recorded steps, one layer group
+    at a time (groups.py; quant.max_group_bytes None: the whole graph at once); grids: the projections that keep the
+    source's grid (none when not given). entry, feeds, pinned: another template (the segmented graphs':
+    segment_export.py), its step feeds and its pinned parameters. drop_pages: the source's (LoadedModel)."""
     entry = entry or template_entry(fm.graphs)
     if pinned is None:
         pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
-    reader = trace_reader(feeds, steps) if feeds is not None else _step_reader(fm, steps, fq=fq, config=config)
+    feeds = feeds if feeds is not None else _step_feeds(fm, fq=fq, config=config)
     float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
     grids = ProjectionGrids(config, {}) if grids is None else grids
-    grid = grid_overrides(grids, float_proto)
-    qpath = work / "q" / entry.file
-    qpath.parent.mkdir()
-    ranges = quantize_graph(float_dir / entry.file, qpath, reader=reader,
-                            quant=quant.quant, pinned=pinned,
-                            weight_overrides={**weight_overrides(quant.quant, config), **grid, **(rounded or {})})
-    proto = signed_matmul_operands(strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned))
+    overrides = {**weight_overrides(quant.quant, config), **grid_overrides(grids, float_proto), **(rounded or {})}
     # 4-bit weights of a float source go per block too: one 4-bit scale per channel costs far more agreement
     # with float than one per block. 8-bit ones stay per channel, GPTQ-rounded (`rounded`).
     four_bit = quant.quant is Quant.W4A16
     float_blocks = frozenset(set(_projection_weights(config)) - set(grids.names())) if four_bit else frozenset()
-    to_block_weights(proto, float_proto, float_dir / WEIGHTS_FILE, grids=grids, float_blocks=float_blocks)
-    shared.absorb(proto)
-    shutil.rmtree(qpath.parent)
-    return _Template(proto=proto, float_proto=float_proto, ranges=ranges,
-                     pinned=frozenset(through_data_movement(float_dir / entry.file, pinned)))
+
+    def finish(proto: onnx.ModelProto, float_graph: onnx.ModelProto) -> None:
+        to_block_weights(proto, float_graph, float_dir / WEIGHTS_FILE, grids=grids, float_blocks=float_blocks)
+        shared.absorb(proto)
+        drop_pages()  # the source's grids this group read
+
+    through = frozenset(through_data_movement(float_dir / entry.file, pinned))
+    if quant.max_group_bytes is None:
+        qpath = work / "q" / entry.file
+        qpath.parent.mkdir()
+        ranges = quantize_graph(float_dir / entry.file, qpath, reader=trace_reader(feeds, steps), quant=quant.quant,
+                                pinned=pinned, weight_overrides=overrides)
+        proto = signed_matmul_operands(strip_boundary(onnx.load(str(qpath), load_external_data=True), pinned))
+        finish(proto, float_proto)
+        shutil.rmtree(qpath.parent)
+        return _Template(proto=proto, float_proto=float_proto, ranges=ranges, pinned=through)
+    kv_layer = {s.name: s.layer for s in (*entry.inputs, *entry.outputs) if s.layer is not None}
+    groups = split_template(float_dir / entry.file, kv_layer=kv_layer, num_layers=config.num_layers,
+                            hidden_size=config.hidden_size, max_bytes=quant.max_group_bytes)
+    proto, ranges = quantize_groups(groups, lambda: feeds.iterate(steps), order=float_proto.graph, work=work,
+                                    quant=quant.quant, pinned=pinned, weight_overrides=overrides, finish=finish,
+                                    weights=float_dir / WEIGHTS_FILE, write_table=shared.write_table)
+    return _Template(proto=proto, float_proto=float_proto, ranges=ranges, pinned=through, groups=tuple(groups))
 
 
 def _sink_template(template: _Template, float_dir: Path, fm: Manifest, steps, *, fq: FamilyQuant,
                    config) -> _Template:
-    """The template with its activation parameters calibrated on first tokens only (calibration/traces.py)."""
-    ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
-                               _step_reader(fm, steps, fq=fq, config=config), sorted(template.ranges))
+    """The template with its activation parameters calibrated on first tokens only (calibration/traces.py), one
+    layer group at a time when the template was quantized so."""
+    names = sorted(template.ranges)
+    if template.groups:
+        feeds = _step_feeds(fm, fq=fq, config=config)
+        ranges = group_ranges(list(template.groups), lambda: feeds.iterate(steps), names)
+    else:
+        ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
+                                   _step_reader(fm, steps, fq=fq, config=config), names)
     proto = signed_matmul_operands(recalibrated(template.proto, calibrated=template.ranges, ranges=ranges,
                                                 pinned=template.pinned))  # int16 copies follow the new ranges
     return dataclasses.replace(template, proto=proto, ranges=ranges)
@@ -269,38 +311,54 @@ def _scratch(out_dir: Path):
 def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
                             prompts: list[str] | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
     """Write the quantized family into out_dir atomically; returns its manifest."""
+    size = _export_size(model, options, quant)
     try:
-        return _export(model, out_dir, options=options, quant=quant, prompts=prompts, on_step=on_step)
+        return _export(model, out_dir, options=options, quant=quant, prompts=prompts, on_step=on_step, size=size)
     except MemoryError:  # numpy's or onnxruntime's allocation failed: nothing written (staged_family)
-        raise out_of_memory(_float_weight_bytes(model)) from None
+        raise out_of_memory(size, streamed=_streamed(model, quant)) from None
 
 
-def _float_weight_bytes(model: LoadedModel) -> int:
-    """About the float family's weights from the shapes alone (float32; embedding and head each their own table)."""
-    c = model.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
-    return 4 * (c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size)
+def _streamed(model: LoadedModel, quant: QuantOptions) -> bool:
+    """One layer group in memory at a time: by groups, and no GPTQ over the whole float model (a float source's
+    projections, gptq.py and gptq/calibrated.py; a GGUF's grids are kept, never rounded again)."""
+    rounds = quant.quant is Quant.W8A16 or quant.block_gptq is not None
+    every_grid = all(hf in model.grids for parts in projection_sources(model.config).values() for hf, _ in parts)
+    return quant.max_group_bytes is not None and (every_grid or not rounds)
+
+
+def _export_size(model: LoadedModel, options: ExportOptions, quant: QuantOptions) -> ExportSize:
+    """From the shapes alone: the template's window (the smallest context's prefill graph), the steps kept (the
+    calibration steps, the long conversation re-read in chunks, the sink steps)."""
+    num_prompts = len(calibration_prompts())
+    max_context = max(options.contexts)
+    return export_size(model.config, max_group_bytes=quant.max_group_bytes,
+                       num_steps=quant.calib_steps + max_context // options.prefill_len + 2 * num_prompts,
+                       window_rows=min(options.contexts) - options.prefill_len, max_context=max_context)
 
 
 def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
-            prompts: list[str] | None, on_step: Callable[[str], None] | None) -> Manifest:
+            prompts: list[str] | None, on_step: Callable[[str], None] | None, size: ExportSize) -> Manifest:
     config, out_dir = model.config, Path(out_dir)
     segment_shapes = htp_segment_shapes(options, local_layers=bool(config.local_layers))
     options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see export/graph/htp_style.py
     options.validate(config.max_positions)
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
-    check_memory(_float_weight_bytes(model))  # before anything is written
+    check_memory(size, streamed=_streamed(model, quant))  # before anything is written
     step = on_step or (lambda _name: None)
     rounding = None
     with staged_family(out_dir) as final, _scratch(out_dir) as work:
         float_dir = work / "float"
         fm = export_family(model, float_dir, options=options)
+        model.drop_pages()  # the source's file, read whole for the float family
         step("float family")
         ids, eos, first_tokens = _prompt_ids(float_dir, prompts or calibration_prompts())
-        traces = record_traces(float_dir, ids, max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS,
-                               eos_ids=eos, sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
-                               max_past_rows=template_entry(fm.graphs).shape.past_len)
+        record = dict(max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS, eos_ids=eos,
+                      sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
+                      max_past_rows=template_entry(fm.graphs).shape.past_len)
+        if quant.max_group_bytes is None:  # the whole float family through the Engine
+            traces = record_traces(float_dir, ids, **record)
+        else:
+            traces = record_traces_streamed(float_dir, fm, ids, max_bytes=quant.max_group_bytes, **record)
         fq = family_quant(traces, quant, rope_bound=config.rope_attention_factor)
         if quant.quant is Quant.KV_ONLY:  # float weights, unchanged: the float family's file as it is
             shutil.copyfile(float_dir / WEIGHTS_FILE, final / WEIGHTS_FILE)
@@ -321,7 +379,8 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
                                        grids=grids) if quant.quant is Quant.W8A16 else None)
             step("GPTQ")
             template = _quantized_template(float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant,
-                                           config=config, shared=shared, rounded=rounded, grids=grids)
+                                           config=config, shared=shared, rounded=rounded, grids=grids,
+                                           drop_pages=model.drop_pages)
             sink = _sink_template(template, float_dir, fm, traces.sink_steps, fq=fq, config=config)
             step("quantized template")
         entries = []
@@ -344,7 +403,8 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
                 float_dir, final, fm, shapes=segment_shapes, fq=fq, dtypes=io_dtypes(fq), config=config,
                 on_step=step, quantize=lambda entry, feeds, pinned: _quantized_template(
                     float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant, config=config,
-                    shared=shared, rounded=rounded, grids=grids, entry=entry, feeds=feeds, pinned=pinned))
+                    shared=shared, rounded=rounded, grids=grids, entry=entry, feeds=feeds, pinned=pinned,
+                    drop_pages=model.drop_pages))
             weights_bytes, weights_sha = writer.close()
         shutil.copyfile(float_dir / TOKENIZER_FILE, final / TOKENIZER_FILE)
         manifest = Manifest(

@@ -1,28 +1,59 @@
 """Memory an HTP export needs, checked before the slow part: a machine short of it gets one line with the bytes
 needed instead of an out-of-memory kill half an hour in.
 
-The export holds the whole float model more than once (the trace recorder's float family, ONNX Runtime's quantizer
-and calibration sessions over the whole float template), so its peak scales with the float weights; the factor is
-the larger of the peaks over float weights that `/usr/bin/time -v` gave for the synthetic 0.5B and 1.5B shapes'
-w4a16 exports (the issue 34 report).
+Streamed (the default, QuantOptions.max_group_bytes): trace recording, calibration and ONNX Runtime's quantizer
+hold one layer group's float weights at a time (calibration/groups.py), beside the recorded traces; the largest
+group is the embedding or the head with one layer when a table is larger than max_group_bytes. Whole
+(max_group_bytes None): the float model is held more than once (the trace recorder's float family, the quantizer
+and calibration sessions over the whole template), so the peak scales with the float weights.
+
+The factors are the larger of the peaks that `/usr/bin/time -v` gave for the synthetic 0.5B and 1.5B shapes'
+w4a16 exports over these sizes (the issue 34 report).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import psutil
 
 from staticlm.export.family import ExportError
 
-PEAK_PER_FLOAT_BYTE = 2.3  # peak RSS over the float weight bytes, the larger of the two measured
+PEAK_PER_FLOAT_BYTE = 2.3  # whole: peak RSS over the float weight bytes
+PEAK_PER_GROUP_BYTE = 3.0  # streamed: peak RSS over the largest group's float bytes, beside the traces
+BASE_BYTES = 1 << 30  # streamed: the process, ONNX Runtime, the source's mapped file and tokenizer
 
 
-def bytes_needed(float_weight_bytes: int) -> int:
-    return int(PEAK_PER_FLOAT_BYTE * float_weight_bytes)
+@dataclass(frozen=True)
+class ExportSize:
+    """What an export's peak scales with, from the shapes alone (float32 bytes)."""
+    float_weights: int  # every weight (embedding and head each their own table)
+    largest_group: int  # the largest layer group (calibration/groups.py)
+    traces: int  # the recorded traces: windows of every KV tensor, and each sequence's KV rows
+
+    def bytes_needed(self, *, streamed: bool) -> int:
+        if not streamed:
+            return int(PEAK_PER_FLOAT_BYTE * self.float_weights)
+        return int(BASE_BYTES + PEAK_PER_GROUP_BYTE * self.largest_group + self.traces)
 
 
-def check_memory(float_weight_bytes: int) -> None:
+def export_size(config, *, max_group_bytes: int | None, num_steps: int, window_rows: int,
+                max_context: int) -> ExportSize:
+    """config: the model's; num_steps: the trace steps kept (each a window of window_rows past rows of every KV
+    tensor), max_context: the rows of the longest recorded sequence."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = 4 * c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
+    table = 4 * c.vocab_size * c.hidden_size
+    group = max(max_group_bytes or 0, table + layer)
+    kv_row = 4 * 2 * c.num_layers * kv  # one row of every KV tensor
+    return ExportSize(float_weights=c.num_layers * layer + 2 * table, largest_group=group,
+                      traces=kv_row * (num_steps * window_rows + 2 * max_context))
+
+
+def check_memory(size: ExportSize, *, streamed: bool) -> None:
     """ExportError when the memory this process may still take (what it holds now plus what the system has
-    available) is below what the export's peak needs; float_weight_bytes: the weights in float32, from the shapes."""
-    needed = bytes_needed(float_weight_bytes)
+    available) is below what the export's peak needs."""
+    needed = size.bytes_needed(streamed=streamed)
     held = psutil.Process().memory_info().rss
     available = psutil.virtual_memory().available
     if held + available < needed:
@@ -30,6 +61,6 @@ def check_memory(float_weight_bytes: int) -> None:
                           f"{held + available} are free: close other programs or export on a larger machine")
 
 
-def out_of_memory(float_weight_bytes: int) -> ExportError:
-    needed = bytes_needed(float_weight_bytes)
+def out_of_memory(size: ExportSize, *, streamed: bool) -> ExportError:
+    needed = size.bytes_needed(streamed=streamed)
     return ExportError(f"out of memory during the export: it needs about {needed} bytes ({needed / 1e9:.1f} GB)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from staticlm.errors import InvalidOption
+from staticlm.export.calibration.groups import MAX_GROUP_BYTES
 from staticlm.export.gptq.options import GptqOptions
 from staticlm.runtime.family.quant_params import KVBits, Quant
 
@@ -17,6 +18,9 @@ class QuantOptions:
     # w4a16: a float source's projections GPTQ-rounded onto symmetric blocks of 32 (export/gptq/); None: each
     # block's range, nearest rounding (blocks.py)
     gptq: GptqOptions | None = GptqOptions()
+    # calibration and quantization one layer group at a time, each within these float weight bytes (groups.py);
+    # None: the whole template at once (the float model in memory)
+    max_group_bytes: int | None = MAX_GROUP_BYTES
 
     def __post_init__(self) -> None:
         if self.calib_steps < 1:

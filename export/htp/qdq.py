@@ -75,9 +75,10 @@ ACTIVATION_HEADROOM = 1.25
 MINIMUM_REAL_RANGE = 0.0001  # get_qnn_qdq_config's extra option MinimumRealRange (checked in quantize_graph)
 
 
-def _tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) -> list[str]:
-    """The float activations ORT's calibrator would pick: inputs/outputs of the ops to quantize."""
-    g = model.graph
+def tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) -> list[str]:
+    """The float activations ORT's calibrator would pick: inputs/outputs of the ops to quantize (model: its weights
+    need not be loaded; its shapes are inferred here)."""
+    g = onnx.shape_inference.infer_shapes(model).graph
     infos = {vi.name: vi for vi in (*g.value_info, *g.output, *g.input)}
     weights = {i.name for i in g.initializer}
     wanted = set(op_types or ())
@@ -95,47 +96,75 @@ def _tensors_to_calibrate(model: onnx.ModelProto, op_types: list[str] | None) ->
 Ranges = dict[str, tuple[np.ndarray, np.ndarray]]  # activation -> (lowest, highest), widened
 
 
+class RangeMinMax:
+    """MinMax over steps as ORT's MinMaxCalibrater computes it (min and max over every step), widened."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.lo = {n: np.inf for n in names}
+        self.hi = {n: -np.inf for n in names}
+
+    def add(self, values: list[np.ndarray]) -> None:
+        for n, value in zip(self.names, values):
+            self.lo[n], self.hi[n] = min(self.lo[n], float(value.min())), max(self.hi[n], float(value.max()))
+
+    def ranges(self) -> Ranges:
+        lo, hi = self.lo, self.hi
+        if not all(np.isfinite(lo[n]) for n in self.names):
+            raise ValueError("calibration read no steps")
+        return {n: (np.array(min(lo[n], 0.0) * ACTIVATION_HEADROOM + max(lo[n], 0.0), np.float32),
+                    np.array(max(hi[n], 0.0) * ACTIVATION_HEADROOM + min(hi[n], 0.0), np.float32))
+                for n in self.names}
+
+
 def calibrated_ranges(float_path: Path, reader, names: list[str]) -> Ranges:
-    """MinMax calibration of the named tensors as ORT's MinMaxCalibrater computes it (min and max over every
-    step), every range widened. The calibrator's own graph augmentation inserts two nodes per tensor with a
-    linear search each (quadratic in the graph's size); listing the tensors as graph outputs and reducing
-    them in numpy gives the same ranges."""
-    lo = {n: np.inf for n in names}
-    hi = {n: -np.inf for n in names}
+    """MinMax calibration of the named tensors (RangeMinMax), every range widened. The calibrator's own graph
+    augmentation inserts two nodes per tensor with a linear search each (quadratic in the graph's size); listing
+    the tensors as graph outputs and reducing them in numpy gives the same ranges."""
+    minmax = RangeMinMax(names)
     for values in tensor_values(float_path, names, iter(reader.get_next, None)):
-        for n, value in zip(names, values):
-            lo[n], hi[n] = min(lo[n], float(value.min())), max(hi[n], float(value.max()))
-    if not all(np.isfinite(lo[n]) for n in names):
-        raise ValueError("calibration read no steps")
-    return {n: (np.array(min(lo[n], 0.0) * ACTIVATION_HEADROOM + max(lo[n], 0.0), np.float32),
-                np.array(max(hi[n], 0.0) * ACTIVATION_HEADROOM + min(hi[n], 0.0), np.float32)) for n in names}
+        minmax.add(values)
+    return minmax.ranges()
 
 
-def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pinned: dict[str, TensorQuant],
-                   weight_overrides: dict[str, list[dict]]) -> Ranges:
-    """QDQ model of float_path (calibrated on reader) at out_path, its weights in out_path's .data file;
-    returns the activation ranges it was calibrated with."""
+def qdq_config(float_path: Path, *, quant: Quant, pinned: dict[str, TensorQuant],
+               weight_overrides: dict[str, list[dict]]):
+    """ONNX Runtime's QNN quantization config for float_path: pinned tensors (and what data movement copies into
+    them) at their parameters, weight_overrides as given."""
     from onnxruntime.quantization import QuantType
-    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, save_tensors_data
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
-    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
 
     overrides = {name: _pinned(t) for name, t in through_data_movement(float_path, pinned).items()}
     overrides.update(weight_overrides)
     config = get_qnn_qdq_config(
-        str(float_path), reader, activation_type=QuantType.QUInt16,
+        str(float_path), None, activation_type=QuantType.QUInt16,
         weight_type=QuantType.QUInt8 if quant is Quant.W8A16 else QuantType.QInt4,
         per_channel=False, init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])
     if config.extra_options.get("MinimumRealRange") != MINIMUM_REAL_RANGE:  # recalibrated() repeats the formula
         raise ValueError(f"onnxruntime's QNN config changed MinimumRealRange: {config.extra_options}")
+    return config
+
+
+def quantize_with_ranges(float_path: Path, out_path: Path, config, ranges: Ranges) -> None:
+    """quantize() with config, reading ranges instead of calibrating. Weights go to one side file
+    (use_external_data_format), moved into the family's file later."""
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, save_tensors_data
+
     cache = out_path.with_suffix(".calibration.json")
-    names = _tensors_to_calibrate(load_model_with_shape_infer(float_path), config.op_types_to_quantize)
-    ranges = calibrated_ranges(float_path, reader, names)
     save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), cache)
-    # quantize() with this config, but reading the widened ranges instead of calibrating again. Weights go
-    # to one side file (use_external_data_format), moved into the family's file later.
     with _quantizer_notes_off():
         _quantize_static(float_path, out_path, config, cache)
+
+
+def quantize_graph(float_path: Path, out_path: Path, *, reader, quant: Quant, pinned: dict[str, TensorQuant],
+                   weight_overrides: dict[str, list[dict]]) -> Ranges:
+    """QDQ model of the whole float_path (calibrated on reader) at out_path, its weights in out_path's .data file;
+    returns the activation ranges it was calibrated with. One pass over the whole graph: its peak memory holds the
+    float model (groups.py quantizes one layer group at a time)."""
+    config = qdq_config(float_path, quant=quant, pinned=pinned, weight_overrides=weight_overrides)
+    names = tensors_to_calibrate(onnx.load(str(float_path), load_external_data=False), config.op_types_to_quantize)
+    ranges = calibrated_ranges(float_path, reader, names)
+    quantize_with_ranges(float_path, out_path, config, ranges)
     return ranges
 
 

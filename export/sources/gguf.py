@@ -55,6 +55,7 @@ def load_gguf(path: Path, *, source: str | None = None) -> LoadedModel:
         eos_token_ids=tokenizer.eos_token_ids, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
         add_bos_token=tokenizer.add_bos_token, source=source or f"GGUF {path}", grids=grids,
         requantized=tuple(requantized), source_types={n: i.qtype.name for n, i in gf.tensors.items()},
+        drop_pages=gf.drop_pages,
     )
 
 

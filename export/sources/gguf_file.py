@@ -1,6 +1,7 @@
 """GGUF access through the `gguf` package: metadata as Python values, tensors dequantized to float32."""
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
@@ -58,6 +59,13 @@ class GGUFFile:
                 f"{self.path.name}: tensor {name} uses {info.qtype.name}, which cannot be dequantized") from None
         return out  # its own memory: detached from the mmap
 
+
+    def drop_pages(self) -> None:
+        """The mapped file's pages out of this process (MADV_DONTNEED; read again from the page cache when next
+        touched): what was read stays counted in the process's memory while the file is mapped."""
+        mapped = getattr(getattr(self._reader, "data", None), "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     def grid(self, name: str) -> WeightGrid | None:
         """A 2-D tensor of a type with an exact grid (gguf_grids.GRID_TYPES), decoded from its raw blocks; None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,9 @@ class LoadedModel:
 
     # GGUF tensor name -> its type name, for every tensor of a GGUF source ({} for other sources).
     source_types: dict[str, str] = field(default_factory=dict)
+    # Gives back the pages of the mapped source file read so far (a GGUF's; a no-op for other sources): an export
+    # that has read a layer group's tensors calls it, so the file does not stay counted in its memory whole.
+    drop_pages: Callable[[], None] = field(default=lambda: None, compare=False, repr=False)
 
     def grid_summary(self) -> str | None:
         """"Q4_K x 12, Q6_K x 4": the GGUF matrices kept on their own grid, by type; None for a float source."""
