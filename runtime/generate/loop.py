@@ -40,6 +40,11 @@ from staticlm.runtime.generate.sequence_request import (
 from staticlm.runtime.generate.slots import Prefix
 from staticlm.runtime.generate.text_stream import FinishReason
 
+# Prompt chunks (the family's longest prompt graph each) prefilled per step while rows decode. One chunk per step
+# stretches a long prompt over many steps: its first token comes late, and its answer decodes on after the others
+# ended, in steps with fewer rows. More chunks per step: each decoding row's step is longer for those few steps.
+PREFILL_CHUNKS_PER_STEP = 4
+
 
 @dataclass(eq=False)
 class _Admission:
@@ -75,6 +80,11 @@ class GenerationLoop:
     @property
     def max_context(self) -> int:
         return self.model.engine.max_context
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        """Prompt tokens a step prefills while rows decode."""
+        return PREFILL_CHUNKS_PER_STEP * self.model.engine.prefill_len
 
     # -- any thread ---------------------------------------------------------------------------------
     def submit(self, request: SequenceRequest) -> None:
@@ -112,7 +122,8 @@ class GenerationLoop:
         return bool(admissible)
 
     def _prefill_chunk(self) -> bool:
-        """One chunk of the oldest admitted prompt on the lane; the whole rest when no row waits on it."""
+        """Up to max_prefill_tokens of the oldest admitted prompt on the lane; the whole rest when no row waits on
+        it."""
         if not self._admitting:
             return False
         adm = self._admitting[0]
@@ -121,7 +132,7 @@ class GenerationLoop:
                 self._migrate_solo()  # the lane is needed: a lone sequence moves into its row
                 adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
             busy = any(not s.solo for s in self._occupants())
-            take = min(len(adm.todo), self.model.engine.prefill_len) if busy else len(adm.todo)
+            take = min(len(adm.todo), self.max_prefill_tokens) if busy else len(adm.todo)
             take -= take > 2 and len(adm.todo) - take == 1  # leave no lone row for last (Engine.pairs_rows)
             self.lane.append_tokens(adm.todo[:take])
             del adm.todo[:take]
