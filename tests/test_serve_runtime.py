@@ -207,18 +207,18 @@ def test_a_bug_is_a_bare_500_for_the_client_and_a_traceback_on_the_servers_stder
     assert api_error(UserError("bad input")).status == 400 and "Traceback" not in capsys.readouterr().err
 
 
-def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_other_rows_decode(in_place_family):
+def test_a_long_prompt_is_prefilled_a_few_chunks_per_step_while_the_other_rows_decode(in_place_family):
     from staticlm.runtime.generate.sequence_request import Admitted, Delta, Finished, SequenceRequest
     from staticlm.runtime.generate.text_stream import GenerationParams
 
     reference, served = _open(in_place_family), _open(in_place_family)
     tok = reference.tokenizer
     short = tok.encode("The cat", add_special_tokens=False)
-    long = tok.encode("abcabc abd zz top " * 6, add_special_tokens=False)  # several 16-row chunks
-    assert len(long) > 4 * served.engine.prefill_len
+    long = tok.encode("abcabc abd zz top " * 24, add_special_tokens=False)  # several steps' 16-row chunks
+    loop = served.open_loop(eager=True)
+    assert len(long) > 4 * loop.max_prefill_tokens
     params = GenerationParams(max_new_tokens=40, ignore_eos=True)
     want_short, want_long = reference.generate(short, params).token_ids, reference.generate(long, params).token_ids
-    loop = served.open_loop(eager=True)
     decoding: list = []
     admitting: list = []
     loop.submit(SequenceRequest(prompt_ids=short, params=params, on_event=decoding.append))
@@ -231,7 +231,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_other_rows_decode
         loop.step()
         tokens_per_step.append(sum(len(e.token_ids) for e in decoding if isinstance(e, Delta)) - before)
     # the long prompt took several steps, and the decoding row gained a token (two, a guess accepted) at each
-    assert len(tokens_per_step) >= len(long) // served.engine.prefill_len - 1
+    assert len(tokens_per_step) >= len(long) // loop.max_prefill_tokens - 1
     assert all(n >= 1 for n in tokens_per_step), tokens_per_step
     while loop.step():
         pass

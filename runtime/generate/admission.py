@@ -27,6 +27,10 @@ from staticlm.runtime.generate.text_stream import FinishReason
 # A prompt segment read in place is worth sharing from this many common tokens: one step of the response buffer
 # (kv_manager/segments.py), which a row's own copy of them would take anyway.
 MIN_SHARED_PREFIX = 16
+# Prompt chunks (the family's longest prompt graph each) prefilled per step while rows decode. One chunk per step
+# stretches a long prompt over many steps: its first token comes late, and its answer decodes on after the others
+# ended, in steps with fewer rows. More chunks per step: each decoding row's step is longer for those few steps.
+PREFILL_CHUNKS_PER_STEP = 4
 
 
 def extends(prompt: list[int], segment: list[int]) -> bool:
@@ -86,8 +90,14 @@ class Admissions:
         return scheduler.admissible(max_requests=1, accepts=lambda r: not alone or (
             self.use_cache and shared_prefix(self.lane.tokens, r.prompt_ids) >= MIN_SHARED_PREFIX))
 
+    @property
+    def max_prefill_tokens(self) -> int:
+        """Prompt tokens a step prefills while rows decode."""
+        return PREFILL_CHUNKS_PER_STEP * self.model.engine.prefill_len
+
     def prefill_chunk(self) -> tuple[bool, Admission | None]:
-        """One chunk of the oldest admitted prompt on the lane (the whole rest when no row waits on it); returns
+        """Up to max_prefill_tokens of the oldest admitted prompt on the lane (the whole rest when no row waits on
+        it); returns
         whether anything ran, and the admission whose prompt is now all in (its choices to be placed)."""
         if not self.pending:
             return False, None
@@ -97,7 +107,7 @@ class Admissions:
                 self.migrate_solo(for_prompt=adm.request.prompt_ids)  # the lane is needed: a lone one moves out
                 adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
             busy = any(not self.scheduler.occupant(r).solo for r in self.scheduler.busy_rows())
-            take = min(len(adm.todo), self.model.engine.prefill_len) if busy else len(adm.todo)
+            take = min(len(adm.todo), self.max_prefill_tokens) if busy else len(adm.todo)
             take -= take > 2 and len(adm.todo) - take == 1  # leave no lone row for last (Engine.pairs_rows)
             self.lane.append_tokens(adm.todo[:take])
             del adm.todo[:take]

@@ -66,6 +66,11 @@ class GenerationLoop:
     def max_context(self) -> int:
         return self.model.engine.max_context
 
+    @property
+    def max_prefill_tokens(self) -> int:
+        """Prompt tokens a step prefills while rows decode."""
+        return self.admissions.max_prefill_tokens
+
     # -- any thread ---------------------------------------------------------------------------------
     def submit(self, request: SequenceRequest) -> None:
         """Queue a request (QueueFull when the queue is full; a bad request raises a UserError here)."""
