@@ -113,7 +113,10 @@ def quantize_groups(groups: list[Group], feeds: Callable[[], Iterable[dict]], *,
         fill_tables(proto, tables, weights, write_table)
         finish(proto, group.proto)
         shutil.rmtree(qdir)
-        quantized.append(proto)
+        # parsed again: protobuf (upb) keeps replaced bytes in the message's arena until the message goes, so the
+        # group's weights, moved to the family's file by finish, would stay in memory with its graph
+        quantized.append(onnx.load_from_string(proto.SerializeToString()))
+        del proto
         release_memory()
     return join(quantized, [g.hidden_out for g in groups[:-1]], order=order), ranges
 
