@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: install xvfb chat generate export test test-fast lint check-platforms clean
+.PHONY: install kernels xvfb chat generate export test test-fast lint check-platforms clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# staticlm's ONNX Runtime kernels over GGUF blocks (runtime/kernels): a C compiler and ORT's C API header, which
+# build.sh takes from Debian's libonnxruntime-dev where it is not installed; without them it says why, and families
+# use ORT's MatMulNBits instead.
+KERNELS := runtime/kernels/libstaticlm_gguf.so
+$(KERNELS): runtime/kernels/gguf_blocks.h runtime/kernels/gguf_dot.h runtime/kernels/gguf_dot.c \
+            runtime/kernels/gguf_ops.c runtime/kernels/build.sh
+	@bash runtime/kernels/build.sh
+
+kernels: $(KERNELS)
 
 # The GUI screenshot test runs under Xvfb: Debian's xvfb plus the X libraries Qt's xcb plugin loads, installed
 # only where we can (root with apt-get); anywhere else this is a no-op and the test grabs the window offscreen.
@@ -28,20 +38,20 @@ xvfb:
 	else echo "note: xvfb is not installed (needs root and apt-get); the screenshot test will grab offscreen"; fi
 
 # Exports the embedded default model on first use, then opens the chat window (the terminal chat without a display).
-chat: $(STAMP)
+chat: $(STAMP) $(KERNELS)
 	$(BIN)/staticlm app
 
-generate: $(STAMP)
+generate: $(STAMP) $(KERNELS)
 	$(BIN)/staticlm generate --prompt "What is the capital of France?"
 
-export: $(STAMP)
+export: $(STAMP) $(KERNELS)
 	$(BIN)/staticlm export
 
-test: $(STAMP) xvfb
+test: $(STAMP) $(KERNELS) xvfb
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(KERNELS)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
@@ -54,4 +64,4 @@ check-platforms: $(STAMP)
 	$(BIN)/python .ci/check_platforms.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis $(KERNELS)

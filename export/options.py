@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from staticlm.errors import InvalidOption
+from staticlm.runtime import kernels
 from staticlm.runtime.family.quant_params import KVBits, Quant
 from staticlm.runtime.session.device import max_context_weight_bytes
 
@@ -74,6 +75,10 @@ class ExportRequest:
                                      "folded (integer zero points and the remainder in correction rows: weights "
                                      "within a few hundredths of a step, faster decode; the default model's "
                                      "first-run export uses it)", choices=tuple(m.value for m in GridMinima))
+    gguf_kernels: str | None = option(None, "with --target cpu, a GGUF source: on (default where staticlm's kernels "
+                                      "are built, `make kernels`) keeps each tensor's own blocks, read by staticlm's "
+                                      "kernels, so a step reads the file's bytes; off: ORT's MatMulNBits containers",
+                                      choices=("on", "off"))
     quant: str | None = option(None, "with --target htp: w8a16 (default), w4a16, or kv (KV only)",
                                choices=(Quant.W8A16.value, Quant.W4A16.value, Quant.KV_ONLY.value))
     kv_bits: int | None = option(None, "with --target htp: KV I/O bits, 16 (default) or 8",
@@ -117,10 +122,11 @@ class ExportRequest:
             self.quant_options()
 
     def _check_target_flags(self) -> None:
-        cpu_flags = (self.weight_bits, self.cpu_attention, self.calib or None, self.grid_minima, self.kv_dtype)
+        cpu_flags = (self.weight_bits, self.cpu_attention, self.calib or None, self.grid_minima, self.kv_dtype,
+                     self.gguf_kernels)
         if self.target != "cpu" and any(o is not None for o in cpu_flags):
-            raise InvalidOption(f"--weight-bits, --cpu-attention, --calib, --grid-minima and --kv-dtype need --target "
-                                f"cpu, got --target {self.target}")
+            raise InvalidOption(f"--weight-bits, --cpu-attention, --calib, --grid-minima, --kv-dtype and "
+                                f"--gguf-kernels need --target cpu, got --target {self.target}")
         if self.target != "htp" and (self.quant is not None or self.kv_bits is not None):
             raise InvalidOption(f"--quant and --kv-bits need --target htp, got --target {self.target}")
         if self.target == "float" and self._rounding_given(self.calib_steps):
@@ -160,8 +166,11 @@ class ExportRequest:
             raise InvalidOption("--calib rounds 4-bit weights: leave out --weight-bits 8")
         if self.kv_dtype is not None and attention is not CpuAttention.GQA:
             raise InvalidOption("--kv-dtype is the gqa attention's: the windows layout keeps float32 KV")
+        if self.gguf_kernels == "on" and not kernels.available():
+            raise InvalidOption(f"--gguf-kernels on: {kernels.why_missing()}")
+        use_kernels = kernels.available() if self.gguf_kernels is None else self.gguf_kernels == "on"
         base = CpuOptions(bits=bits, attention=attention, grid_minima=GridMinima(self.grid_minima or "exact"),
-                          kv_dtype=self.kv_dtype or default_kv_dtype())
+                          kv_dtype=self.kv_dtype or default_kv_dtype(), gguf_kernels=use_kernels)
         if not self.calib:
             return base
         return dataclasses.replace(base, calib_steps=self.calib_steps or base.calib_steps, gptq=self.gptq_options())

@@ -11,6 +11,7 @@ from test_cli_errors import assert_one_line_error, staticlm
 from staticlm.export.parts import add_parts
 from staticlm.runtime.engine.parts import NoParts, part_entries, part_layers
 from staticlm.runtime.family.manifest import (
+    FORMAT_VERSION,
     MANIFEST_NAME,
     READABLE_VERSIONS,
     TYPED_FIELDS_VERSION,
@@ -53,7 +54,7 @@ def _as_version_4(data: dict, *, dynamic_past: bool) -> dict:
 
 def test_parts_are_a_typed_field_read_by_the_runtime(parted_family):
     data = _data(parted_family)
-    assert data["format_version"] == TYPED_FIELDS_VERSION and "parts" not in data["extra"]
+    assert data["format_version"] == FORMAT_VERSION >= TYPED_FIELDS_VERSION and "parts" not in data["extra"]
     assert data["dynamic_past"] is False  # a float family's graphs take their own past length only
     manifest = load_manifest(parted_family)
     assert part_layers(manifest) == [(0, 1), (1, 2)]
@@ -79,7 +80,7 @@ def test_a_version_4_manifest_loads_its_fields_from_extra(family_copy, dynamic_p
     assert context_groups(family_copy) == new_groups
     old.save(family_copy)  # saved in this version's layout
     again = _data(family_copy)
-    assert again["format_version"] == TYPED_FIELDS_VERSION and again["dynamic_past"] is dynamic_past
+    assert again["format_version"] == FORMAT_VERSION and again["dynamic_past"] is dynamic_past
     assert "parts" not in again["extra"] and load_manifest(family_copy).parts == new.parts
 
 
@@ -116,6 +117,8 @@ def _first_chain(data: dict) -> list:
     (lambda d: _first_chain(d)[1].update(ar=3), "malformed part entry"),  # context != past_len + ar
     (lambda d: _first_chain(d)[1].update(ar=3, context=_first_chain(d)[1]["past_len"] + 3), "shape differs"),
     (lambda d: _old_with_extra(d, dynamic_past="no"), "dynamic_past must be true or false"),
+    (lambda d: d.update(custom_ops="staticlm"), "custom_ops must be a list of names"),
+    (lambda d: d.update(custom_ops=["ai.other"]), "ops of 'ai.other', which this staticlm does not have"),
     (lambda d: _old_with_extra(d, parts={"layers": [[0, 2]], "graphs": {"nope": []}}), "no graph 'nope'"),
 ])
 def test_malformed_fields_are_refused_in_one_line(family_copy, corrupt, words):
@@ -133,3 +136,13 @@ def test_a_malformed_field_is_one_line_from_the_cli(family_copy):
     _write(family_copy, data)
     assert_one_line_error(staticlm("generate", "--model", family_copy, "--prompt", "hi", "--device", "cpu"),
                           "parts.layers", "covering layers 0..2")
+
+
+def test_custom_ops_are_read_and_a_version_5_manifest_has_none(family_copy):
+    data = _data(family_copy)
+    data["custom_ops"] = ["staticlm"]
+    _write(family_copy, data)
+    assert load_manifest(family_copy).custom_ops == ("staticlm",)
+    del data["custom_ops"]
+    _write(family_copy, {**data, "format_version": 5})
+    assert load_manifest(family_copy).custom_ops == ()

@@ -22,6 +22,7 @@ from staticlm.export.graph.llama import LlamaGraph
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, Role, graph_io, in_place_graph_io, kv_name
+from staticlm.runtime.kernels import DOMAIN as KERNEL_DOMAIN
 
 from .attention import decoder as windows_decoder
 from .gqa import decoder as gqa_decoder
@@ -50,6 +51,9 @@ class CpuLlamaGraph(LlamaGraph):
 
     def _matmul_nbits(self, x: str, part: MatMulPart, *, k: int) -> str:
         g = self.g
+        if part.ggml_type is not None:  # the source's own blocks (runtime/kernels)
+            return g.op("GgufMatMul", x, g.weight(f"{part.weight}.gguf"), domain=KERNEL_DOMAIN,
+                        ggml_type=part.ggml_type, N=part.n, K=k)
         if part.bits == FLOAT_BITS:  # x [.., K] . W [N, K]^T, read in place
             return g.op("FusedMatMul", x, g.weight(f"{part.weight}.w"), domain=MS_DOMAIN, transB=1, alpha=1.0)
         inputs = [g.weight(f"{part.weight}.q"), g.weight(f"{part.weight}.scales")]
@@ -91,6 +95,9 @@ class CpuLlamaGraph(LlamaGraph):
         g, c = self.g, self.c
         plan = self.plans[EMBED]
         (part,) = plan.parts
+        if part.ggml_type is not None:  # rows dequantized from the source's own blocks, as gguf does
+            return g.op("GgufGather", g.weight(f"{part.weight}.gguf"), ids, domain=KERNEL_DOMAIN,
+                        ggml_type=part.ggml_type, K=c.hidden_size)
         if part.bits == FLOAT_BITS:
             return g.op("Gather", g.weight(f"{part.weight}.w"), ids, axis=0)
         table = self._alias(f"{part.weight}.q", f"{part.weight}.table", (c.vocab_size, c.hidden_size * part.bits // 8))
@@ -153,9 +160,21 @@ class CpuLlamaGraph(LlamaGraph):
         doc = "any batch and rows" if gqa else f"AR={s.ar}"
         model = g.model(name=name, inputs=inputs, outputs=outputs,
                         doc=f"staticlm {name} (cpu): {doc}, P<={s.past_len}, S={s.context}")
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        add_opsets(model)
         (_make_rows_symbolic if gqa else _make_past_symbolic)(model, c)
         return model
+
+
+def add_opsets(model: onnx.ModelProto) -> None:
+    """ORT's contrib ops, and staticlm's kernels where the graph reads GGUF blocks."""
+    model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if any(node.domain == KERNEL_DOMAIN for node in model.graph.node):
+        model.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))
+
+
+def custom_ops(plans: dict[str, LinearPlan]) -> tuple[str, ...]:
+    """The manifest's custom_ops: the kernels' domain where some linear reads GGUF blocks."""
+    return (KERNEL_DOMAIN,) if any(p.ggml_type is not None for plan in plans.values() for p in plan.parts) else ()
 
 
 def _make_rows_symbolic(model: onnx.ModelProto, config: ModelConfig) -> None:

@@ -11,6 +11,10 @@ weight that is rounded here. Consecutive projections that share a form become on
 
 A Q4_K_M file mixes types inside one linear (q and k Q4_K, v Q6_K): that linear runs two MatMulNBits nodes
 whose outputs are concatenated, so no projection is re-rounded to share a grid.
+
+With `CpuOptions.gguf_kernels`, a GGUF tensor of a type staticlm's kernels read (runtime/kernels) is none of the
+above: its own blocks are stored as they are in the file and one GgufMatMul reads them, so a step reads the file's
+bytes (every K-quant's MatMulNBits form is wider: 8-bit levels for Q6_K's 6, float scales and offsets).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from staticlm.export.sources.gguf_grids import FloatWeight, WeightGrid
+from staticlm.runtime.kernels import TYPES as KERNEL_TYPES
 
 from .quant import correction_rows
 
@@ -38,6 +43,7 @@ class MatMulPart:
     zero_points: bool
     corrected: bool  # a float weight with the block-mean correction rows (K' = K + correction_rows)
     symmetric: bool  # a float weight rounded symmetrically (no .zp)
+    ggml_type: int | None = None  # GgufMatMul over `{weight}.gguf` [N, row bytes], the source's own blocks
 
 
 @dataclass(frozen=True)
@@ -80,17 +86,33 @@ def concat_grids(grids: list[WeightGrid | FloatWeight]) -> WeightGrid | FloatWei
         return FloatWeight(qtype=qtype, values=np.concatenate([g.values for g in grids]))
     mins = None if first.mins is None else np.concatenate([g.mins for g in grids])
     zeros = None if first.zeros is None else np.concatenate([g.zeros for g in grids])
+    same_blocks = all(g.raw is not None for g in grids) and len({g.qtype for g in grids}) == 1
     return WeightGrid(qtype=qtype, block=first.block, levels=np.concatenate([g.levels for g in grids]),
-                      scales=np.concatenate([g.scales for g in grids]), mins=mins, mid=first.mid, zeros=zeros)
+                      scales=np.concatenate([g.scales for g in grids]), mins=mins, mid=first.mid, zeros=zeros,
+                      raw=np.concatenate([g.raw for g in grids]) if same_blocks else None)
 
 
-def grid_key(grid: WeightGrid | FloatWeight | None) -> tuple:
-    """Projections with equal keys share one node."""
+def grid_key(grid: WeightGrid | FloatWeight | None, *, kernels: bool = False) -> tuple:
+    """Projections with equal keys share one node (kernels: a GGUF type the kernels read is its own key)."""
     if grid is None:
         return ("float",)
+    if kernels and reads_blocks(grid):
+        return ("gguf", grid.qtype)
     if isinstance(grid, FloatWeight):
         return ("exact float",)
     return (grid.bits, grid.block, grid.mid, grid.mins is None, grid.zeros is None)
+
+
+def reads_blocks(grid: WeightGrid | FloatWeight | None) -> bool:
+    """Whether the kernels read grid's own blocks (a GGUF tensor of a type they know)."""
+    return isinstance(grid, WeightGrid) and grid.raw is not None and grid.qtype in KERNEL_TYPES
+
+
+def write_block_part(writer, weight: str, grid: WeightGrid) -> MatMulPart:
+    """A GGUF tensor's own blocks [N, row bytes], as the file has them (rows in HF order)."""
+    writer.add(f"{weight}.gguf", np.ascontiguousarray(grid.raw))
+    return MatMulPart(weight=weight, n=grid.shape[0], bits=grid.bits, block=grid.block, zero_points=False,
+                      corrected=False, symmetric=False, ggml_type=KERNEL_TYPES[grid.qtype])
 
 
 def write_grid_part(writer, weight: str, grid: WeightGrid | FloatWeight) -> MatMulPart:

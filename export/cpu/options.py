@@ -90,6 +90,10 @@ class CpuOptions:
     # (no correction rows: GPTQ already carries each block's error onto the rest); None: nearest rounding
     gptq: GptqOptions | None = None
     calib_steps: int = 96  # recorded decoding steps, as `--target htp` records them
+    # A GGUF tensor of a type staticlm's kernels read (runtime/kernels) keeps its own blocks, read by GgufMatMul and
+    # GgufGather: a step reads the file's bytes. They compute in int8 like accuracy level 4; the family then needs
+    # the kernels' library where it runs. `staticlm export` turns this on where the library is built.
+    gguf_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.attention is CpuAttention.WINDOWS:  # the window strategies' caches are float32
@@ -116,5 +120,5 @@ class CpuOptions:
                 "corrected": sorted(self.corrected) if self.block_correction else [],
                 "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
                 "accuracy_level": self.accuracy_level, "attention": self.attention.value,
-                "grid_minima": self.grid_minima.value, "kv_dtype": self.kv_dtype,
+                "grid_minima": self.grid_minima.value, "kv_dtype": self.kv_dtype, "gguf_kernels": self.gguf_kernels,
                 **({"gptq": self.gptq.to_dict(), "calib_steps": self.calib_steps} if self.gptq else {})}

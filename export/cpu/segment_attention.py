@@ -17,14 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, Role, buffer_name, kv_name
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, file_sha256
 from staticlm.runtime.family.segments import PROMPT_ROLES, segment_graph_io
 
 from .attention import MS_DOMAIN, RopeTables, _skip_norm, from_heads, grouped_bias, mlp, qkv_heads
-from .graph import BIAS_DIM, PAST_DIM, CpuLlamaGraph
+from .graph import BIAS_DIM, PAST_DIM, CpuLlamaGraph, add_opsets
 
 PROMPT_DIM = "prompt_len"
 
@@ -113,7 +113,7 @@ class SegmentCpuGraph(CpuLlamaGraph):
         g.op("Reshape", self.lm_head(h), g.const([s.batch, s.ar, c.vocab_size]), outputs=[Role.LOGITS.value])
         model = g.model(name=name, inputs=inputs, outputs=outputs,
                         doc=f"staticlm {name} (cpu, segment KV): B={s.batch}, AR={s.ar}")
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        add_opsets(model)
         _make_segments_symbolic(model)
         return model
 

@@ -24,6 +24,8 @@ from .linears import (
     concat_grids,
     grid_key,
     grid_offsets,
+    reads_blocks,
+    write_block_part,
     write_folded_grid_part,
     write_grid_part,
 )
@@ -89,8 +91,9 @@ def write_linear(writer: WeightFileWriter, name: str,
                  *, head: bool) -> LinearPlan:
     """sources: (its grid or None, its float weight [N_i, K] when read) per fused projection, in output order."""
     parts, ns, k = [], [], None
-    folded: set[int] = set()  # the grids whose minima went into correction rows (no offsets)
-    groups = [list(members) for _key, members in groupby(sources, key=lambda s: grid_key(s[0]))]
+    folded: set[int] = set()  # the grids whose minima are not offsets: in correction rows, or in their own blocks
+    kernels = options.gguf_kernels
+    groups = [list(members) for _key, members in groupby(sources, key=lambda s: grid_key(s[0], kernels=kernels))]
     for j, members in enumerate(groups):
         weight = name if len(groups) == 1 else f"{name}.{j}"
         if members[0][0] is None:
@@ -102,7 +105,10 @@ def write_linear(writer: WeightFileWriter, name: str,
             grids = [grid for grid, _read in members]
             ns += [g.shape[0] for g in grids]
             grid = concat_grids(grids)
-            if _folds(grid, options, head=head, linear=name):
+            if kernels and reads_blocks(grid):
+                parts.append(write_block_part(writer, weight, grid))
+                folded.update(id(g) for g in grids)
+            elif _folds(grid, options, head=head, linear=name):
                 quant = BlockQuantizer(bits=grid.bits, block_size=grid.block, symmetric=False,
                                        accuracy_level=options.accuracy_level)
                 parts.append(write_folded_grid_part(writer, weight, grid, quant))

@@ -36,6 +36,9 @@ class WeightGrid:
     # [N, K / block] uint8: each block's own zero level, w = s (q - zeros) (a float source rounded by export/gptq
     # onto an asymmetric grid; no GGUF type has these); None: mid for every block
     zeros: np.ndarray | None = None
+    # [N, row bytes] uint8: the GGUF tensor's own blocks, rows in this grid's order (a view of the mapped file
+    # until rows are picked); None for a grid that is not a GGUF tensor's
+    raw: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,7 +80,8 @@ class WeightGrid:
         return replace(self, levels=np.ascontiguousarray(self.levels[index]),
                        scales=np.ascontiguousarray(self.scales[index]),
                        mins=None if self.mins is None else np.ascontiguousarray(self.mins[index]),
-                       zeros=None if self.zeros is None else np.ascontiguousarray(self.zeros[index]))
+                       zeros=None if self.zeros is None else np.ascontiguousarray(self.zeros[index]),
+                       raw=None if self.raw is None else np.ascontiguousarray(self.raw[index]))
 
 
 @dataclass(frozen=True)
@@ -179,4 +183,5 @@ def decode_grid(qtype: T, raw: np.ndarray, shape: tuple[int, int]) -> WeightGrid
     levels, scales, mins = _decode(qtype, blocks)
     return WeightGrid(qtype=qtype.name, block=block, levels=levels.reshape(n, k),
                       scales=scales.astype(np.float32).reshape(n, k // block),
-                      mins=None if mins is None else mins.astype(np.float32).reshape(n, k // block), mid=mid)
+                      mins=None if mins is None else mins.astype(np.float32).reshape(n, k // block), mid=mid,
+                      raw=np.asarray(raw, dtype=np.uint8).reshape(n, -1))

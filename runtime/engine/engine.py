@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from staticlm.kv_manager import ContextFull, KVSpec, Overflow, make_kv_cache
+from staticlm.runtime import kernels
 from staticlm.runtime.engine import steps
 from staticlm.runtime.engine.engine_options import EngineOptions
 from staticlm.runtime.engine.graphs import EngineGraphs
@@ -60,6 +61,7 @@ class Engine:
         if weights_from is None:  # the engines made from this one share its weights and hold small caches
             check_memory(self.model_dir, weights_bytes=self.manifest.weights_bytes,
                          kv_bytes=self.kv.stats.reserved_bytes)
+            kernels.check_family(self.manifest.custom_ops)
         self.family = FamilyContext(config=cfg, rope=RopeTable(cfg), quant=self.quant,
                                     local_rope=RopeTable(cfg, local=True) if cfg.local_layers else None)
         self._runners: dict[str, Runner] = {}

@@ -17,9 +17,11 @@ from .quant_params import FamilyQuant, Quant, QuantParamsError
 MAGIC = "staticlm-family"
 # 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target);
 # 4: a cpu family's one in-place graph serves every shape (logits_index); 5: `dynamic_past` and `parts` are fields
-# of their own (before, keys of `extra`, where older manifests are still read); older ones load as before
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)  # older families are still valid as written
+# of their own (before, keys of `extra`, where older manifests are still read); 6: `custom_ops`, the op domains
+# beyond ONNX Runtime's that the graphs use (staticlm's GGUF kernels); older ones load as before
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # older families are still valid as written
+KNOWN_CUSTOM_OPS = ("staticlm",)  # runtime/kernels
 TYPED_FIELDS_VERSION = 5  # the first version with `dynamic_past` and `parts` outside `extra`
 MANIFEST_NAME = "manifest.json"
 
@@ -148,6 +150,7 @@ class Manifest:
     # the graphs take any past length, not only their own (a cpu family's in-place graphs): the BMC ladder's rungs
     dynamic_past: bool = False
     parts: LayerParts | None = None  # the layer-group graphs of a family exported with --parts
+    custom_ops: tuple[str, ...] = ()  # op domains the graphs need beyond ONNX Runtime's (KNOWN_CUSTOM_OPS)
     extra: dict = field(default_factory=dict)  # facts for people and messages (target, weights, calibration, ...)
 
     @property
@@ -208,7 +211,7 @@ class Manifest:
                               "add_bos_token": st.add_bos_token},
                 "quantization": self.quantization, "graphs": [g.to_dict() for g in self.graphs],
                 "dynamic_past": self.dynamic_past, "parts": self.parts.to_dict() if self.parts else None,
-                "extra": self.extra}
+                "custom_ops": list(self.custom_ops), "extra": self.extra}
 
     def save(self, directory: Path) -> Path:
         path = Path(directory) / MANIFEST_NAME
@@ -243,6 +246,13 @@ def _parse(d: dict) -> Manifest:
     if not isinstance(dynamic_past, bool):
         raise ManifestError(f"manifest field dynamic_past must be true or false, got {_short(dynamic_past)}")
     parts = typed.get("parts") or None  # an old export may have written an empty object
+    custom_ops = d.get("custom_ops") or []
+    if not isinstance(custom_ops, list) or not all(isinstance(o, str) for o in custom_ops):
+        raise ManifestError(f"manifest field custom_ops must be a list of names, got {_short(custom_ops)}")
+    unknown = [o for o in custom_ops if o not in KNOWN_CUSTOM_OPS]
+    if unknown:
+        raise ManifestError(f"the graphs need ops of {unknown[0]!r}, which this staticlm does not have; re-export "
+                            "the model with this version")
     manifest = Manifest(
         model=model, graphs=graphs,
         weights_file=w["file"], weights_bytes=int(w["bytes"]), weights_sha256=w["sha256"],
@@ -252,7 +262,7 @@ def _parse(d: dict) -> Manifest:
                                      bos_token=tok.get("bos_token"), eos_token=tok.get("eos_token"),
                                      add_bos_token=bool(tok.get("add_bos_token"))),
         kv_layout=KVLayout(d["kv_layout"]), kv_dtype=d["kv_dtype"], quantization=d.get("quantization"),
-        source=d.get("source", ""), format_version=version, dynamic_past=dynamic_past,
+        source=d.get("source", ""), format_version=version, dynamic_past=dynamic_past, custom_ops=tuple(custom_ops),
         parts=None if parts is None else LayerParts.from_dict(parts, num_layers=model.num_layers, graphs=graphs),
         extra=extra)
     if manifest.quantization is not None:

@@ -14,6 +14,7 @@ import onnxruntime as ort
 import psutil
 
 from staticlm.errors import UserError
+from staticlm.runtime import kernels
 from staticlm.runtime.family.manifest import Manifest, read_manifest
 from staticlm.runtime.session import qnn_context
 from staticlm.runtime.session.prepacked import prepared_graph
@@ -298,6 +299,7 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
     so.add_session_config_entry("session.force_spinning_stop", "1")
     so.log_severity_level = 3
+    kernels.register(so)
     if shared_weights is not None:
         shared_weights.attach(path, so)
     if shared_weights is not None and not prepack:

@@ -28,6 +28,8 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
+from staticlm.runtime import kernels
+
 STORE_VERSION = 1
 PACKED_FILE, INDEX_FILE = "packed.bin", "index.json"
 PAGE = 4096  # blobs of a page or more start on a page: ORT maps them in place
@@ -127,6 +129,7 @@ def _optimize(graph: Path, out_dir: Path) -> None:
         so.intra_op_num_threads = 1
         so.log_severity_level = 3
         so.optimized_model_filepath = str(optimized)
+        kernels.register(so)
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "data.bin")
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")

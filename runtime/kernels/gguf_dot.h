@@ -1,0 +1,16 @@
+#pragma once
+#include "gguf_blocks.h"
+
+#define TILE 4 /* activation rows one call dots a weight row with */
+
+/* w: one weight row (k / block_elems blocks); a: rows (1..TILE) activation rows quantized for its type;
+ * out[r * stride] = w . a[r] */
+typedef void (*DotFn)(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride);
+
+/* portable: the scalar dot even where AVX2 is available (the tests compare both). NULL for a type without one. */
+DotFn dot_function(int type, int portable);
+
+/* x [k] -> q [k] int8, d [k / act_block] (q * d ~ x), sums [k / 16] (each 16 levels summed) */
+void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums);
+
+void dequantize_row(int type, const uint8_t* w, int k, float* y);

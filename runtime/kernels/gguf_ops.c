@@ -1,0 +1,281 @@
+/* ONNX Runtime custom ops over a GGUF tensor's own blocks (domain "staticlm"), so a `--target cpu` family reads
+ * the file's bytes per step instead of wider MatMulNBits containers:
+ *
+ *   GgufMatMul(x [.., K] float, w [N, row_bytes] uint8; ggml_type, N, K) -> [.., N] float: x . W^T, every row of x
+ *     quantized to 8 bits per activation block once per call, output rows split across ORT's intra-op threads;
+ *   GgufGather(table [V, row_bytes] uint8, ids [..] int64; ggml_type, K) -> [.., K] float: rows dequantized as
+ *     gguf does (the tied embedding reads the head's bytes).
+ *
+ * STATICLM_GGUF_PORTABLE=1 in the environment when a session registers the ops selects the portable dots (tests). */
+#include <onnxruntime_c_api.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "gguf_dot.h"
+
+#define API_VERSION 17 /* KernelContext_ParallelFor: ORT 1.17 */
+#define ROWS_PER_TASK 16
+#define MAX_RANK 8
+
+static const OrtApi* api;
+
+#define TRY(expr)                          \
+  do {                                     \
+    OrtStatus* status_ = (expr);           \
+    if (status_ != NULL) return status_;   \
+  } while (0)
+
+static OrtStatus* fail(const char* op, const char* what) {
+  char message[256];
+  snprintf(message, sizeof message, "%s: %s", op, what);
+  return api->CreateStatus(ORT_INVALID_ARGUMENT, message);
+}
+
+typedef struct {
+  BlockFormat format;
+  int64_t n, k, row_bytes;
+  DotFn dot;
+} Kernel;
+
+static OrtStatus* read_kernel(const OrtKernelInfo* info, const char* op, int with_n, Kernel* kernel) {
+  int64_t type = 0, n = 0, k = 0;
+  TRY(api->KernelInfoGetAttribute_int64(info, "ggml_type", &type));
+  TRY(api->KernelInfoGetAttribute_int64(info, "K", &k));
+  if (with_n) TRY(api->KernelInfoGetAttribute_int64(info, "N", &n));
+  if (!block_format((int)type, &kernel->format)) return fail(op, "unsupported ggml_type");
+  if (k <= 0 || k % kernel->format.block_elems != 0) return fail(op, "K is not a whole number of blocks");
+  const char* portable = getenv("STATICLM_GGUF_PORTABLE");
+  kernel->dot = dot_function((int)type, portable != NULL && portable[0] == '1');
+  kernel->n = n;
+  kernel->k = k;
+  kernel->row_bytes = k / kernel->format.block_elems * kernel->format.block_bytes;
+  return NULL;
+}
+
+typedef struct {
+  size_t rank;
+  int64_t dims[MAX_RANK];
+  size_t count;
+  void* data;
+} Tensor;
+
+static OrtStatus* read_tensor(const OrtValue* value, const char* op, Tensor* t) {
+  OrtTensorTypeAndShapeInfo* info = NULL;
+  TRY(api->GetTensorTypeAndShape(value, &info));
+  OrtStatus* status = api->GetDimensionsCount(info, &t->rank);
+  if (status == NULL && (t->rank < 1 || t->rank > MAX_RANK)) status = fail(op, "input rank out of range");
+  if (status == NULL) status = api->GetDimensions(info, t->dims, t->rank);
+  if (status == NULL) status = api->GetTensorShapeElementCount(info, &t->count);
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  if (status != NULL) return status;
+  return api->GetTensorMutableData((OrtValue*)value, &t->data);
+}
+
+/* ---- GgufMatMul ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+  const Kernel* kernel;
+  const uint8_t* w;
+  const int8_t* q;
+  const float* d;
+  const int16_t* sums;
+  int64_t m;
+  float* y;
+} MatMulJob;
+
+static void matmul_task(void* data, size_t task) {
+  const MatMulJob* job = data;
+  const Kernel* kn = job->kernel;
+  const int64_t first = (int64_t)task * ROWS_PER_TASK;
+  const int64_t last = first + ROWS_PER_TASK < kn->n ? first + ROWS_PER_TASK : kn->n;
+  const int64_t scales = kn->k / kn->format.act_block;
+  for (int64_t r0 = 0; r0 < job->m; r0 += TILE) { /* a tile of x's rows against this task's weight rows */
+    const int rows = job->m - r0 < TILE ? (int)(job->m - r0) : TILE;
+    ActRow a[TILE];
+    for (int r = 0; r < rows; r++) {
+      const int64_t row = r0 + r;
+      a[r] = (ActRow){job->q + row * kn->k, job->d + row * scales, job->sums + row * (kn->k / 16)};
+    }
+    for (int64_t col = first; col < last; col++) {
+      kn->dot(job->w + col * kn->row_bytes, a, rows, (int)kn->k, job->y + r0 * kn->n + col, kn->n);
+    }
+  }
+}
+
+static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext* context) {
+  const Kernel* kn = op_kernel;
+  const OrtValue *xv = NULL, *wv = NULL;
+  TRY(api->KernelContext_GetInput(context, 0, &xv));
+  TRY(api->KernelContext_GetInput(context, 1, &wv));
+  Tensor x, w;
+  TRY(read_tensor(xv, "GgufMatMul", &x));
+  TRY(read_tensor(wv, "GgufMatMul", &w));
+  if (x.dims[x.rank - 1] != kn->k) return fail("GgufMatMul", "x's last dimension is not K");
+  if ((int64_t)w.count != kn->n * kn->row_bytes) return fail("GgufMatMul", "w is not N rows of K's blocks");
+  const int64_t m = (int64_t)x.count / kn->k;
+  int64_t out_dims[MAX_RANK];
+  memcpy(out_dims, x.dims, sizeof(int64_t) * x.rank);
+  out_dims[x.rank - 1] = kn->n;
+  OrtValue* yv = NULL;
+  TRY(api->KernelContext_GetOutput(context, 0, out_dims, x.rank, &yv));
+  float* y = NULL;
+  TRY(api->GetTensorMutableData(yv, (void**)&y));
+  if (m == 0 || kn->n == 0) return NULL;
+
+  const int64_t scales = kn->k / kn->format.act_block, sums = kn->k / 16;
+  /* one block per call: [M, K] int8 levels, [M, K / act_block] scales, [M, K / 16] sums */
+  char* scratch = malloc((size_t)(m * kn->k + m * scales * sizeof(float) + m * sums * sizeof(int16_t)));
+  if (scratch == NULL) return api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
+  float* d = (float*)scratch;
+  int16_t* s = (int16_t*)(d + m * scales);
+  int8_t* q = (int8_t*)(s + m * sums);
+  const float* xd = x.data;
+  for (int64_t r = 0; r < m; r++) {
+    quantize_act_row(xd + r * kn->k, (int)kn->k, kn->format.act_block, q + r * kn->k, d + r * scales, s + r * sums);
+  }
+  MatMulJob job = {kn, w.data, q, d, s, m, y};
+  const size_t tasks = (size_t)((kn->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+  OrtStatus* status = api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job);
+  free(scratch);
+  return status;
+}
+
+/* ---- GgufGather ---------------------------------------------------------------------------------------------- */
+
+static OrtStatus* ORT_API_CALL gather_compute(void* op_kernel, OrtKernelContext* context) {
+  const Kernel* kn = op_kernel;
+  const OrtValue *tv = NULL, *iv = NULL;
+  TRY(api->KernelContext_GetInput(context, 0, &tv));
+  TRY(api->KernelContext_GetInput(context, 1, &iv));
+  Tensor table, ids;
+  TRY(read_tensor(tv, "GgufGather", &table));
+  TRY(read_tensor(iv, "GgufGather", &ids));
+  if (table.rank != 2 || table.dims[1] != kn->row_bytes) return fail("GgufGather", "table is not rows of K's blocks");
+  if (ids.rank >= MAX_RANK) return fail("GgufGather", "ids' rank out of range");
+  int64_t out_dims[MAX_RANK];
+  memcpy(out_dims, ids.dims, sizeof(int64_t) * ids.rank);
+  out_dims[ids.rank] = kn->k;
+  OrtValue* yv = NULL;
+  TRY(api->KernelContext_GetOutput(context, 0, out_dims, ids.rank + 1, &yv));
+  float* y = NULL;
+  TRY(api->GetTensorMutableData(yv, (void**)&y));
+  const int64_t* id = ids.data;
+  const uint8_t* rows = table.data;
+  for (size_t i = 0; i < ids.count; i++) {
+    if (id[i] < 0 || id[i] >= table.dims[0]) return fail("GgufGather", "token id out of the table's range");
+    dequantize_row(kn->format.type, rows + id[i] * kn->row_bytes, (int)kn->k, y + i * kn->k);
+  }
+  return NULL;
+}
+
+/* ---- the two ops' descriptions --------------------------------------------------------------------------------- */
+
+static OrtStatus* ORT_API_CALL create_matmul(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info,
+                                             void** out) {
+  (void)op, (void)a;
+  Kernel* kernel = calloc(1, sizeof(Kernel));
+  if (kernel == NULL) return api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
+  OrtStatus* status = read_kernel(info, "GgufMatMul", 1, kernel);
+  if (status == NULL && kernel->dot == NULL) status = fail("GgufMatMul", "no dot for this ggml_type");
+  if (status != NULL) {
+    free(kernel);
+    return status;
+  }
+  *out = kernel;
+  return NULL;
+}
+
+static OrtStatus* ORT_API_CALL create_gather(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info,
+                                             void** out) {
+  (void)op, (void)a;
+  Kernel* kernel = calloc(1, sizeof(Kernel));
+  if (kernel == NULL) return api->CreateStatus(ORT_FAIL, "GgufGather: out of memory");
+  OrtStatus* status = read_kernel(info, "GgufGather", 0, kernel);
+  if (status != NULL) {
+    free(kernel);
+    return status;
+  }
+  *out = kernel;
+  return NULL;
+}
+
+static void ORT_API_CALL destroy(void* kernel) { free(kernel); }
+static const char* ORT_API_CALL matmul_name(const OrtCustomOp* op) { (void)op; return "GgufMatMul"; }
+static const char* ORT_API_CALL gather_name(const OrtCustomOp* op) { (void)op; return "GgufGather"; }
+static const char* ORT_API_CALL cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static size_t ORT_API_CALL two(const OrtCustomOp* op) { (void)op; return 2; }
+static size_t ORT_API_CALL one(const OrtCustomOp* op) { (void)op; return 1; }
+static ONNXTensorElementDataType ORT_API_CALL matmul_input(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+}
+static ONNXTensorElementDataType ORT_API_CALL gather_input(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+}
+static ONNXTensorElementDataType ORT_API_CALL float_output(const OrtCustomOp* op, size_t i) {
+  (void)op, (void)i;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp* op, size_t i) {
+  (void)op, (void)i;
+  return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType ORT_API_CALL default_memory(const OrtCustomOp* op, size_t i) {
+  (void)op, (void)i;
+  return OrtMemTypeDefault;
+}
+static int ORT_API_CALL arity_one(const OrtCustomOp* op) { (void)op; return 1; }
+static int ORT_API_CALL start_version(const OrtCustomOp* op) { (void)op; return 1; }
+static int ORT_API_CALL end_version(const OrtCustomOp* op) { (void)op; return 1 << 30; }
+
+static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*),
+                            ONNXTensorElementDataType (*input)(const OrtCustomOp*, size_t),
+                            OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
+                            OrtStatus* (*compute)(void*, OrtKernelContext*)) {
+  OrtCustomOp op;
+  memset(&op, 0, sizeof op);
+  op.version = API_VERSION; /* ORT reads no field added after it */
+  op.GetName = name;
+  op.GetExecutionProviderType = cpu;
+  op.GetInputType = input;
+  op.GetInputTypeCount = two;
+  op.GetOutputType = float_output;
+  op.GetOutputTypeCount = one;
+  op.KernelDestroy = destroy;
+  op.GetInputCharacteristic = required;
+  op.GetOutputCharacteristic = required;
+  op.GetInputMemoryType = default_memory;
+  op.GetVariadicInputMinArity = arity_one;
+  op.GetVariadicInputHomogeneity = arity_one;
+  op.GetVariadicOutputMinArity = arity_one;
+  op.GetVariadicOutputHomogeneity = arity_one;
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = compute;
+  op.GetStartVersion = start_version;
+  op.GetEndVersion = end_version;
+  return op;
+}
+
+static OrtCustomOp matmul_op, gather_op;
+static OrtCustomOpDomain* domain;
+static OrtStatus* domain_status;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void make_domain(void) {
+  matmul_op = describe(matmul_name, matmul_input, create_matmul, matmul_compute);
+  gather_op = describe(gather_name, gather_input, create_gather, gather_compute);
+  domain_status = api->CreateCustomOpDomain("staticlm", &domain);
+  if (domain_status == NULL) domain_status = api->CustomOpDomain_Add(domain, &matmul_op);
+  if (domain_status == NULL) domain_status = api->CustomOpDomain_Add(domain, &gather_op);
+}
+
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                                   const OrtApiBase* base) {
+  if (api == NULL) api = base->GetApi(API_VERSION);
+  if (api == NULL) return NULL; /* an ORT older than 1.17: the ops stay unregistered and the graph fails to load */
+  pthread_once(&once, make_domain);
+  if (domain_status != NULL) return api->CreateStatus(ORT_FAIL, api->GetErrorMessage(domain_status));
+  return api->AddCustomOpDomain(options, domain);
+}

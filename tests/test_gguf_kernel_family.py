@@ -1,0 +1,94 @@
+"""A `--target cpu` family that reads a GGUF's own blocks (CpuOptions.gguf_kernels, runtime/kernels).
+
+References: the GGUF file's tensors as gguf-py reads them (the bytes the family must keep), and transformers
+loading the same file (the logits). The family's graphs compute in int8 activations like MatMulNBits' accuracy
+level 4, so the logits are compared within that rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
+from gguf import GGMLQuantizationType as T
+from test_gguf_grids import MIXED, quantizer, tiny_llama  # noqa: F401 -- tiny_llama is a fixture
+
+from staticlm.runtime import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.why_missing())
+# every type the kernels read (their math per type: test_gguf_kernels.py), in two files: llama.cpp's Q4_K_M mix, and
+# the 32-input types (SmolLM2's GGUF is Q4_1 with a Q8_0 table), mixed inside the fused linears too
+LEGACY = {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q5_1, "attn_output": T.Q8_0, "ffn_gate": T.Q4_1,
+          "ffn_up": T.Q5_0, "ffn_down": T.Q5_1, "token_embd": T.Q8_0, "output": T.Q8_0}
+FILES = {"Q4_K_M": MIXED, "legacy": LEGACY}
+assert {t.name for f in FILES.values() for t in f.values()} == set(kernels.TYPES)
+
+
+@pytest.fixture(scope="module", params=list(FILES))
+def kernel_family(request, tiny_llama, tmp_path_factory):  # noqa: F811
+    from tiny_archs import write_gguf
+
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.graph import CpuOptions
+    from staticlm.export.family import ExportOptions
+    from staticlm.export.sources import load_model
+
+    rng = np.random.default_rng(len(request.param) + 11)
+    path = write_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf", arch="llama",
+                      quantize=quantizer(FILES[request.param], rng))
+    out = tmp_path_factory.mktemp("family") / "cpu"
+    options = ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,))
+    export_cpu_family(load_model(path), out, options=options, cpu=CpuOptions(gguf_kernels=True))
+    return path, out
+
+
+def test_every_linear_reads_the_files_own_blocks(kernel_family, tiny_llama):  # noqa: F811
+    from gguf import GGUFReader
+
+    from staticlm.export.sources.gguf import _unpermute
+    from staticlm.runtime.family.manifest import load_manifest
+
+    path, family = kernel_family
+    model = onnx.load(str(graph_path(family, "decode", ar=1)))
+    assert not [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    ops = {n.op_type for n in model.graph.node if n.domain == kernels.DOMAIN}
+    assert ops == {"GgufMatMul", "GgufGather"}
+    assert load_manifest(family).custom_ops == (kernels.DOMAIN,)
+    stored = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith(".gguf")}
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    heads = {"attn_q": tiny_llama.config.num_attention_heads, "attn_k": tiny_llama.config.num_key_value_heads}
+
+    def blocks(name: str) -> np.ndarray:  # the file's rows, llama.cpp's q/k order undone as the exporter must
+        t = tensors[name]
+        raw = np.asarray(t.data).reshape(int(t.shape[-1]), -1)
+        kind = name.split(".")[-2]
+        return raw[_unpermute(np.arange(raw.shape[0]), heads[kind])] if kind in heads else raw
+
+    for layer in range(tiny_llama.config.num_hidden_layers):
+        b = f"blk.{layer}."
+        expected = {"qkv": [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+                    "o": [b + "attn_output.weight"], "gate_up": [b + "ffn_gate.weight", b + "ffn_up.weight"],
+                    "down": [b + "ffn_down.weight"]}
+        for kind, names in expected.items():
+            parts = sorted(n for n in stored if n.startswith(f"l{layer}.{kind}."))  # l0.qkv.gguf or l0.qkv.0.gguf
+            # parts of different types have rows of different lengths: compare the byte streams in output order
+            assert np.array_equal(np.concatenate([stored[p].ravel() for p in parts]),
+                                  np.concatenate([blocks(n).ravel() for n in names])), kind
+    assert np.array_equal(stored["head_t.gguf"], blocks("output.weight"))
+
+
+def test_logits_agree_with_transformers_on_the_same_gguf(kernel_family):
+    from test_cpu_target import hf_teacher_forced, teacher_forced
+    from transformers import AutoModelForCausalLM
+
+    path, family = kernel_family
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype="float32").eval()
+    ids = np.random.default_rng(5).integers(0, 256, 64)
+    got, want = teacher_forced(family, ids), hf_teacher_forced(ref, ids)
+    diff = np.abs(got - want).max() / np.abs(want).max()
+    agree = (got.argmax(-1) == want.argmax(-1)).mean()
+    print(f"{path.name}: max |logit difference| {diff:.2e} of the largest logit, top-1 agreement {agree:.3f}")
+    # int8 activations with one scale per block of 32 inputs, or of 256 for the K-quants as llama.cpp's CPU kernels
+    # do (Q8_K): measured 7e-4 to 2.7e-2 of the largest logit on these random-weight models
+    assert diff < 4e-2
+    assert agree >= 0.95

@@ -1,0 +1,144 @@
+"""staticlm's custom ops over GGUF blocks (runtime/kernels): GgufMatMul and GgufGather, run by ONNX Runtime.
+
+References, all independent of the kernels: gguf-py's own dequantization of the same blocks, and the activation
+rows quantized in numpy by the rule the kernels state (one int8 scale per activation block, amax / 127, levels
+rounded half to even). The vector and the portable dots are both checked.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+from onnx import TensorProto, helper
+from test_gguf_grids import raw_blocks
+
+from staticlm.runtime import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.why_missing())
+TYPES = [T[name] for name in kernels.TYPES]
+
+
+def op_model(op: str, *, qtype: T, n: int, k: int, x_shape: list, table: np.ndarray | None = None) -> bytes:
+    """One staticlm op; the weight is an input (GgufMatMul) or an initializer (GgufGather's table)."""
+    if op == "GgufMatMul":
+        node = helper.make_node(op, ["x", "w"], ["y"], domain=kernels.DOMAIN, ggml_type=int(qtype), N=n, K=k)
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+                  helper.make_tensor_value_info("w", TensorProto.UINT8, None)]
+        inits = []
+    else:
+        node = helper.make_node(op, ["table", "ids"], ["y"], domain=kernels.DOMAIN, ggml_type=int(qtype), K=k)
+        inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, x_shape)]
+        inits = [onnx.numpy_helper.from_array(table, "table")]
+    graph = helper.make_graph([node], op, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(kernels.DOMAIN, 1)])
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def session(model: bytes, *, threads: int = 2):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    kernels.register(so)
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def quantized_activations(x: np.ndarray, act_block: int) -> np.ndarray:
+    """x [M, K] as the kernels see it: levels round(x * 127 / amax) times amax / 127, per block (float32 rules)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // act_block, act_block)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    levels = np.rint(blocks * inv)
+    assert np.abs(levels).max() <= 127
+    return (levels * (amax / np.float32(127)).astype(np.float32)).reshape(m, k)
+
+
+def weights(qtype: T, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random valid blocks [N, row bytes] and gguf's dequantization of them [N, K]."""
+    rng = np.random.default_rng(seed)
+    raw = raw_blocks((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype, rng)
+    return raw, dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_equals_ggufs_dequantization_times_the_quantized_activations(qtype, portable, monkeypatch):
+    monkeypatch.setenv("STATICLM_GGUF_PORTABLE", "1" if portable else "0")
+    n, k = 40, 768  # 40 rows: two whole tasks of 16 and a partial one
+    raw, w = weights(qtype, n, k, seed=int(qtype))
+    act_block = GGML_QUANT_SIZES[qtype][0]
+    x = (np.random.default_rng(1).standard_normal((2, 3, k)) * np.linspace(0.1, 3, k)).astype(np.float32)
+    got = session(op_model("GgufMatMul", qtype=qtype, n=n, k=k, x_shape=[2, 3, k])).run(None, {"x": x, "w": raw})[0]
+    assert got.shape == (2, 3, n)
+    want = quantized_activations(x.reshape(6, k), act_block).astype(np.float64) @ w.T
+    scale = np.abs(quantized_activations(x.reshape(6, k), act_block)) @ np.abs(w).T  # the products' magnitude
+    assert np.all(np.abs(got.reshape(6, n) - want) <= 1e-5 * scale + 1e-30)
+    # and the activations' rounding is the only loss against float x: within a level per input
+    assert np.abs(got.reshape(6, n) - x.reshape(6, k).astype(np.float64) @ w.T).max() < 0.02 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gather_rows_are_ggufs_dequantization_bit_for_bit(qtype):
+    n, k = 24, 512
+    raw, w = weights(qtype, n, k, seed=7 + int(qtype))
+    ids = np.array([[3, 0, 23], [23, 5, 5]], np.int64)
+    got = session(op_model("GgufGather", qtype=qtype, n=n, k=k, x_shape=[2, 3], table=raw)).run(None, {"ids": ids})[0]
+    assert got.shape == (2, 3, k)
+    assert np.array_equal(got, w.astype(np.float32)[ids])
+
+
+def test_bad_shapes_and_ids_are_errors_not_crashes():
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    raw, _w = weights(T.Q8_0, 8, 64, seed=3)
+    matmul = session(op_model("GgufMatMul", qtype=T.Q8_0, n=8, k=64, x_shape=["m", "k"]))
+    with pytest.raises((Fail, InvalidArgument), match="last dimension is not K"):
+        matmul.run(None, {"x": np.zeros((1, 32), np.float32), "w": raw})
+    with pytest.raises((Fail, InvalidArgument), match="not N rows"):
+        matmul.run(None, {"x": np.zeros((1, 64), np.float32), "w": raw[:4]})
+    gather = session(op_model("GgufGather", qtype=T.Q8_0, n=8, k=64, x_shape=[1], table=raw))
+    with pytest.raises((Fail, InvalidArgument), match="out of the table's range"):
+        gather.run(None, {"ids": np.array([8], np.int64)})
+
+
+def test_zero_rows_and_one_thread_agree_with_two_threads():
+    raw, _w = weights(T.Q4_K, 33, 256, seed=11)
+    model = op_model("GgufMatMul", qtype=T.Q4_K, n=33, k=256, x_shape=["m", 256])
+    x = np.random.default_rng(2).standard_normal((5, 256)).astype(np.float32)
+    one = session(model, threads=1).run(None, {"x": x, "w": raw})[0]
+    two = session(model).run(None, {"x": x, "w": raw})[0]
+    assert np.array_equal(one, two)  # rows are split across threads, never a row's sum
+    assert session(model).run(None, {"x": x[:0], "w": raw})[0].shape == (0, 33)
+
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """Each row of x is quantized and dotted on its own, in the same order whatever the tile it falls in: greedy
+    answers do not depend on the batch, the chunk or speculation through these ops."""
+    raw, _w = weights(T.Q6_K, 20, 512, seed=5)
+    run = session(op_model("GgufMatMul", qtype=T.Q6_K, n=20, k=512, x_shape=["m", 512])).run
+    x = np.random.default_rng(4).standard_normal((7, 512)).astype(np.float32)
+    together = run(None, {"x": x, "w": raw})[0]
+    for i in range(7):
+        assert np.array_equal(run(None, {"x": x[i:i + 1], "w": raw})[0][0], together[i])
+
+
+def test_a_family_that_needs_the_kernels_says_so_in_one_line_where_they_are_missing(monkeypatch, tmp_path):
+    from staticlm.errors import UserError
+    from staticlm.export.options import ExportRequest
+
+    kernels.check_family(())  # a family without custom ops needs nothing
+    monkeypatch.setattr(kernels, "LIBRARY", tmp_path / "missing.so")
+    with pytest.raises(UserError, match="make kernels") as e:
+        kernels.check_family((kernels.DOMAIN,))
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="--gguf-kernels on: .*make kernels"):
+        ExportRequest(target="cpu", gguf_kernels="on")
+    assert ExportRequest(target="cpu").cpu_options().gguf_kernels is False  # MatMulNBits where they are missing
