@@ -17,13 +17,13 @@
 
 /* ---- activations ---------------------------------------------------------------------------------------------- */
 
-void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums) {
+static void quantize_act_row_portable(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums) {
   for (int b = 0; b < k / act_block; b++) {
     const float* xb = x + b * act_block;
     float amax = 0.0f;
     for (int i = 0; i < act_block; i++) amax = fmaxf(amax, fabsf(xb[i]));
-    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    d[b] = scale;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = amax / 127.0f;
     for (int i = 0; i < act_block; i++) q[b * act_block + i] = (int8_t)lrintf(xb[i] * inv);
   }
   for (int s = 0; s < k / 16; s++) {
@@ -31,6 +31,56 @@ void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d,
     for (int i = 0; i < 16; i++) total += q[s * 16 + i];
     sums[s] = (int16_t)total;
   }
+}
+
+#if HAS_X86
+static int have_avx2(void);
+
+/* the same levels as the portable rule: x * (127 / amax) in float32, rounded half to even (MXCSR's default) */
+AVX2 static void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones8 = _mm256_set1_epi8(1);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int b = 0; b < k / act_block; b++) {
+    const float* xb = x + b * act_block;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < act_block; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + i), magnitude));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    d[b] = amax / 127.0f;
+    for (int i = 0; i < act_block; i += 32) {
+      const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv));
+      const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), inv));
+      const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 16), inv));
+      const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 24), inv));
+      /* packs interleave the 128-bit lanes: the permute puts the 32 levels back in order */
+      const __m256i levels = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), order);
+      _mm256_storeu_si256((__m256i*)(q + b * act_block + i), levels);
+      /* the two 16s' level sums: pairs, fours, then within each lane */
+      __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, levels), ones16);
+      t = _mm256_hadd_epi32(t, t);
+      t = _mm256_hadd_epi32(t, t);
+      const int s = (b * act_block + i) / 16;
+      sums[s] = (int16_t)_mm256_extract_epi32(t, 0);
+      sums[s + 1] = (int16_t)_mm256_extract_epi32(t, 4);
+    }
+  }
+}
+#endif
+
+void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums, int portable) {
+#if HAS_X86
+  if (!portable && have_avx2()) {
+    quantize_act_row_avx2(x, k, act_block, q, d, sums);
+    return;
+  }
+#endif
+  (void)portable;
+  quantize_act_row_portable(x, k, act_block, q, d, sums);
 }
 
 /* ---- portable dots -------------------------------------------------------------------------------------------- */

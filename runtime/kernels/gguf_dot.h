@@ -10,7 +10,8 @@ typedef void (*DotFn)(const uint8_t* w, const ActRow* a, int rows, int k, float*
 /* portable: the scalar dot even where AVX2 is available (the tests compare both). NULL for a type without one. */
 DotFn dot_function(int type, int portable);
 
-/* x [k] -> q [k] int8, d [k / act_block] (q * d ~ x), sums [k / 16] (each 16 levels summed) */
-void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums);
+/* x [k] -> q [k] int8, d [k / act_block] (q * d ~ x), sums [k / 16] (each 16 levels summed); act_block is a
+ * multiple of 32 */
+void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums, int portable);
 
 void dequantize_row(int type, const uint8_t* w, int k, float* y);

@@ -16,6 +16,7 @@
 
 #define API_VERSION 17 /* KernelContext_ParallelFor: ORT 1.17 */
 #define ROWS_PER_TASK 16
+#define QUANTIZE_IN_PARALLEL 8 /* x's rows from which their quantizing is split over the threads too */
 #define MAX_RANK 8
 
 static const OrtApi* api;
@@ -36,6 +37,7 @@ typedef struct {
   BlockFormat format;
   int64_t n, k, row_bytes;
   DotFn dot;
+  int portable; /* the portable dots and activation rounding (tests compare them with the vector ones) */
 } Kernel;
 
 static OrtStatus* read_kernel(const OrtKernelInfo* info, const char* op, int with_n, Kernel* kernel) {
@@ -46,7 +48,8 @@ static OrtStatus* read_kernel(const OrtKernelInfo* info, const char* op, int wit
   if (!block_format((int)type, &kernel->format)) return fail(op, "unsupported ggml_type");
   if (k <= 0 || k % kernel->format.block_elems != 0) return fail(op, "K is not a whole number of blocks");
   const char* portable = getenv("STATICLM_GGUF_PORTABLE");
-  kernel->dot = dot_function((int)type, portable != NULL && portable[0] == '1');
+  kernel->portable = portable != NULL && portable[0] == '1';
+  kernel->dot = dot_function((int)type, kernel->portable);
   kernel->n = n;
   kernel->k = k;
   kernel->row_bytes = k / kernel->format.block_elems * kernel->format.block_bytes;
@@ -103,6 +106,22 @@ static void matmul_task(void* data, size_t task) {
   }
 }
 
+typedef struct {
+  const Kernel* kernel;
+  const float* x;
+  int8_t* q;
+  float* d;
+  int16_t* sums;
+} QuantizeJob;
+
+static void quantize_task(void* data, size_t row) {
+  const QuantizeJob* job = data;
+  const Kernel* kn = job->kernel;
+  const int64_t r = (int64_t)row, scales = kn->k / kn->format.act_block;
+  quantize_act_row(job->x + r * kn->k, (int)kn->k, kn->format.act_block, job->q + r * kn->k, job->d + r * scales,
+                   job->sums + r * (kn->k / 16), kn->portable);
+}
+
 static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext* context) {
   const Kernel* kn = op_kernel;
   const OrtValue *xv = NULL, *wv = NULL;
@@ -130,13 +149,20 @@ static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext*
   float* d = (float*)scratch;
   int16_t* s = (int16_t*)(d + m * scales);
   int8_t* q = (int8_t*)(s + m * sums);
-  const float* xd = x.data;
-  for (int64_t r = 0; r < m; r++) {
-    quantize_act_row(xd + r * kn->k, (int)kn->k, kn->format.act_block, q + r * kn->k, d + r * scales, s + r * sums);
+  QuantizeJob quantize = {kn, x.data, q, d, s};
+  OrtStatus* status = NULL;
+  if (m >= QUANTIZE_IN_PARALLEL) {
+    status = api->KernelContext_ParallelFor(context, quantize_task, (size_t)m, 0, &quantize);
+  } else {
+    for (int64_t r = 0; r < m; r++) quantize_task(&quantize, (size_t)r);
+  }
+  if (status != NULL) {
+    free(scratch);
+    return status;
   }
   MatMulJob job = {kn, w.data, q, d, s, m, y};
   const size_t tasks = (size_t)((kn->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-  OrtStatus* status = api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job);
+  status = api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job);
   free(scratch);
   return status;
 }
