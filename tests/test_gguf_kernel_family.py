@@ -17,9 +17,10 @@ from staticlm.runtime import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.why_missing())
 # every type the kernels read (their math per type: test_gguf_kernels.py), in two files: llama.cpp's Q4_K_M mix, and
-# the 32-input types (SmolLM2's GGUF is Q4_1 with a Q8_0 table), mixed inside the fused linears too
-LEGACY = {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q5_1, "attn_output": T.Q8_0, "ffn_gate": T.Q4_1,
-          "ffn_up": T.Q5_0, "ffn_down": T.Q5_1, "token_embd": T.Q8_0, "output": T.Q8_0}
+# the 32-input types (SmolLM2's GGUF is Q4_1 with a Q8_0 table), mixed inside the fused linears too; the types the
+# export leaves to MatMulNBits (not in BLOCK_TYPES) must be MatMulNBits nodes beside them
+LEGACY = {"attn_q": T.Q4_0, "attn_k": T.Q5_0, "attn_v": T.Q5_1, "attn_output": T.Q8_0, "ffn_gate": T.Q4_1,
+          "ffn_up": T.Q5_0, "ffn_down": T.Q5_1, "token_embd": T.Q8_0, "output": T.Q5_0}
 FILES = {"Q4_K_M": MIXED, "legacy": LEGACY}
 assert {t.name for f in FILES.values() for t in f.values()} == set(kernels.TYPES)
 
@@ -42,19 +43,18 @@ def kernel_family(request, tiny_llama, tmp_path_factory):  # noqa: F811
     return path, out
 
 
-def test_every_linear_reads_the_files_own_blocks(kernel_family, tiny_llama):  # noqa: F811
+def test_every_linear_of_a_block_type_reads_the_files_own_blocks(kernel_family, tiny_llama):  # noqa: F811
     from gguf import GGUFReader
 
+    from staticlm.export.cpu.linears import BLOCK_TYPES
     from staticlm.export.sources.gguf import _unpermute
     from staticlm.runtime.family.manifest import load_manifest
 
     path, family = kernel_family
     model = onnx.load(str(graph_path(family, "decode", ar=1)))
-    assert not [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    ops = {n.op_type for n in model.graph.node if n.domain == kernels.DOMAIN}
-    assert ops == {"GgufMatMul", "GgufGather"}
     assert load_manifest(family).custom_ops == (kernels.DOMAIN,)
-    stored = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith(".gguf")}
+    inits = {i.name: i for i in model.graph.initializer}
+    stored = {n: onnx.numpy_helper.to_array(i) for n, i in inits.items() if n.endswith(".gguf")}
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     heads = {"attn_q": tiny_llama.config.num_attention_heads, "attn_k": tiny_llama.config.num_key_value_heads}
 
@@ -64,17 +64,34 @@ def test_every_linear_reads_the_files_own_blocks(kernel_family, tiny_llama):  # 
         kind = name.split(".")[-2]
         return raw[_unpermute(np.arange(raw.shape[0]), heads[kind])] if kind in heads else raw
 
+    def check(linear: str, names: list[str]) -> None:
+        """The linear's parts in output order: runs of one type; a block type's run is the file's bytes, any other
+        type's a MatMulNBits part."""
+        runs: list[list[str]] = []
+        for name in names:
+            if runs and tensors[runs[-1][-1]].tensor_type == tensors[name].tensor_type:
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+        for j, run in enumerate(runs):
+            weight = linear if len(runs) == 1 else f"{linear}.{j}"
+            if tensors[run[0]].tensor_type.name in BLOCK_TYPES:
+                assert np.array_equal(stored[f"{weight}.gguf"], np.concatenate([blocks(n) for n in run])), weight
+            else:
+                # a MatMulNBits part (the embedding gathers its table under another name over the same bytes)
+                assert {f"{weight}.q", f"{weight}.table"} & set(inits) and f"{weight}.gguf" not in stored, weight
+
     for layer in range(tiny_llama.config.num_hidden_layers):
         b = f"blk.{layer}."
-        expected = {"qkv": [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
-                    "o": [b + "attn_output.weight"], "gate_up": [b + "ffn_gate.weight", b + "ffn_up.weight"],
-                    "down": [b + "ffn_down.weight"]}
-        for kind, names in expected.items():
-            parts = sorted(n for n in stored if n.startswith(f"l{layer}.{kind}."))  # l0.qkv.gguf or l0.qkv.0.gguf
-            # parts of different types have rows of different lengths: compare the byte streams in output order
-            assert np.array_equal(np.concatenate([stored[p].ravel() for p in parts]),
-                                  np.concatenate([blocks(n).ravel() for n in names])), kind
-    assert np.array_equal(stored["head_t.gguf"], blocks("output.weight"))
+        check(f"l{layer}.qkv", [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"])
+        check(f"l{layer}.o", [b + "attn_output.weight"])
+        check(f"l{layer}.gate_up", [b + "ffn_gate.weight", b + "ffn_up.weight"])
+        check(f"l{layer}.down", [b + "ffn_down.weight"])
+    check("head_t", ["output.weight"])
+    check("embed", ["token_embd.weight"])
+    gathers = {n.op_type for n in model.graph.node} & {"GgufGather", "GatherBlockQuantized"}
+    assert gathers == {"GgufGather" if tensors["token_embd.weight"].tensor_type.name in BLOCK_TYPES
+                       else "GatherBlockQuantized"}
 
 
 def test_logits_agree_with_transformers_on_the_same_gguf(kernel_family):

@@ -13,7 +13,7 @@ import onnx
 
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
 
-GATHERS = {"Gather", "GatherBlockQuantized"}  # read a few rows per token, not the whole table
+GATHERS = {"Gather", "GatherBlockQuantized", "GgufGather"}  # read a few rows per token, not the whole table
 PROBE_BYTES = 256 << 20
 
 

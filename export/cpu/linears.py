@@ -28,6 +28,11 @@ from staticlm.runtime.kernels import TYPES as KERNEL_TYPES
 from .quant import correction_rows
 
 OFFSET_BLOCK = 32  # every type with minima has 32-input blocks
+# The GGUF types whose own blocks the kernels read in the exported graphs (runtime/kernels reads more): those whose
+# MatMulNBits form is far wider than the file (8-bit levels for 5 and 6 bits, float scales and offsets per 16 or
+# 32). Q4_0, Q4_1 and Q8_0 keep MatMulNBits, whose form is close to their blocks' size and whose kernels run them
+# faster than ours (`staticlm bench`: the SmolLM2 rows).
+BLOCK_TYPES = frozenset({"Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 FLOAT_BITS = 32
 
 
@@ -104,8 +109,8 @@ def grid_key(grid: WeightGrid | FloatWeight | None, *, kernels: bool = False) ->
 
 
 def reads_blocks(grid: WeightGrid | FloatWeight | None) -> bool:
-    """Whether the kernels read grid's own blocks (a GGUF tensor of a type they know)."""
-    return isinstance(grid, WeightGrid) and grid.raw is not None and grid.qtype in KERNEL_TYPES
+    """Whether the kernels read grid's own blocks (a GGUF tensor of one of BLOCK_TYPES)."""
+    return isinstance(grid, WeightGrid) and grid.raw is not None and grid.qtype in BLOCK_TYPES
 
 
 def write_block_part(writer, weight: str, grid: WeightGrid) -> MatMulPart:

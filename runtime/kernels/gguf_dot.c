@@ -231,27 +231,13 @@ AVX2 static inline __m256i nibbles32(const uint8_t* p) { /* 16 bytes -> 32 level
 /* Each vector dot takes a tile of up to TILE activation rows: a weight block is unpacked once for all of them. */
 #define INLINE __attribute__((always_inline)) inline
 
-AVX2 static INLINE __m256i q4_0_levels(const uint8_t* w) {
-  return _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
-}
-
-AVX2 static INLINE __m256i q5_0_levels(const uint8_t* w) {
-  uint32_t qh;
-  memcpy(&qh, w + 2, 4);
-  const __m256i high = _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16));
-  return _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), high), _mm256_set1_epi8(16));
-}
-
-AVX2 static INLINE __m256i q8_0_levels(const uint8_t* w) { return _mm256_loadu_si256((const __m256i*)(w + 2)); }
-
-/* the 32-input types: w = d q with q signed per block; one float multiply per block and row */
-AVX2 static INLINE void dot_32_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
-                                    int64_t stride, const int type) {
-  const int bytes = type == GGML_Q4_0 ? 18 : type == GGML_Q5_0 ? 22 : 34;
+/* Q8_0: signed levels, w = d q; one float multiply per block and row */
+AVX2 static INLINE void dot_q8_0_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
+                                      int64_t stride) {
   __m256 acc[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-  for (int b = 0; b < k / QK_0; b++, w += bytes) {
-    const __m256i q = type == GGML_Q4_0 ? q4_0_levels(w) : type == GGML_Q5_0 ? q5_0_levels(w) : q8_0_levels(w);
+  for (int b = 0; b < k / QK_0; b++, w += 34) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 2));
     const __m256i magnitude = _mm256_sign_epi8(q, q);
     const float d = _cvtsh_ss(*(const uint16_t*)w);
     for (int r = 0; r < rows; r++) {
@@ -263,21 +249,24 @@ AVX2 static INLINE void dot_32_rows(const uint8_t* w, const ActRow* a, const int
   for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]);
 }
 
-/* Q4_1 / Q5_1: unsigned levels, w = d q + m; the minimum times each row's level sum, in float per block */
-AVX2 static INLINE void dot_x_1_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
-                                     int64_t stride, const int five) {
-  const int bytes = five ? 24 : 20;
+/* Q4_0, Q5_0, Q4_1, Q5_1: unsigned levels, w = d q + m per block (m = -8 d, -16 d, or the block's minimum): the
+ * levels dotted as they are, m times each row's level sum in float */
+AVX2 static INLINE void dot_unsigned_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
+                                          int64_t stride, const int type) {
+  const int minimum = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
+  const int head = 2 + 2 * minimum + 4 * five, bytes = head + 16; /* d, [m], [qh], then the nibbles */
+  const float mid = type == GGML_Q4_0 ? 8.0f : 16.0f;
   __m256 acc[TILE];
   float minima[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), minima[r] = 0.0f;
   for (int b = 0; b < k / QK_0; b++, w += bytes) {
-    __m256i q = nibbles32(w + (five ? 8 : 4));
+    __m256i q = nibbles32(w + head);
     if (five) {
       uint32_t qh;
-      memcpy(&qh, w + 4, 4);
+      memcpy(&qh, w + 2 + 2 * minimum, 4);
       q = _mm256_or_si256(q, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)));
     }
-    const float d = _cvtsh_ss(*(const uint16_t*)w), m = _cvtsh_ss(*(const uint16_t*)(w + 2));
+    const float d = _cvtsh_ss(*(const uint16_t*)w), m = minimum ? _cvtsh_ss(*(const uint16_t*)(w + 2)) : -mid * d;
     for (int r = 0; r < rows; r++) {
       const __m256i x = _mm256_loadu_si256((const __m256i*)(a[r].q + b * 32));
       const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
@@ -413,11 +402,11 @@ AVX2 static INLINE void dot_q6_k_rows(const uint8_t* w, const ActRow* a, const i
       default: call(1); return;                                                                              \
     }                                                                                                        \
   }
-#define Q4_0_CALL(n) dot_32_rows(w, a, n, k, out, stride, GGML_Q4_0)
-#define Q5_0_CALL(n) dot_32_rows(w, a, n, k, out, stride, GGML_Q5_0)
-#define Q8_0_CALL(n) dot_32_rows(w, a, n, k, out, stride, GGML_Q8_0)
-#define Q4_1_CALL(n) dot_x_1_rows(w, a, n, k, out, stride, 0)
-#define Q5_1_CALL(n) dot_x_1_rows(w, a, n, k, out, stride, 1)
+#define Q4_0_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q4_0)
+#define Q5_0_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q5_0)
+#define Q4_1_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q4_1)
+#define Q5_1_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q5_1)
+#define Q8_0_CALL(n) dot_q8_0_rows(w, a, n, k, out, stride)
 #define Q4_K_CALL(n) dot_k4_rows(w, a, n, k, out, stride, 0)
 #define Q5_K_CALL(n) dot_k4_rows(w, a, n, k, out, stride, 1)
 #define Q6_K_CALL(n) dot_q6_k_rows(w, a, n, k, out, stride)
