@@ -231,13 +231,25 @@ AVX2 static inline __m256i nibbles32(const uint8_t* p) { /* 16 bytes -> 32 level
 /* Each vector dot takes a tile of up to TILE activation rows: a weight block is unpacked once for all of them. */
 #define INLINE __attribute__((always_inline)) inline
 
-/* Q8_0: signed levels, w = d q; one float multiply per block and row */
-AVX2 static INLINE void dot_q8_0_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
-                                      int64_t stride) {
+/* Q4_0, Q5_0, Q8_0: signed levels (the unsigned ones less 8 or 16), w = d q; a row's products through
+ * maddubs(|q|, x sign(q)); one float multiply per block and row */
+AVX2 static INLINE void dot_signed_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
+                                        int64_t stride, const int type) {
+  const int bytes = type == GGML_Q4_0 ? 18 : type == GGML_Q5_0 ? 22 : 34;
   __m256 acc[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-  for (int b = 0; b < k / QK_0; b++, w += 34) {
-    const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 2));
+  for (int b = 0; b < k / QK_0; b++, w += bytes) {
+    __m256i q;
+    if (type == GGML_Q8_0) {
+      q = _mm256_loadu_si256((const __m256i*)(w + 2));
+    } else if (type == GGML_Q4_0) {
+      q = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+    } else {
+      uint32_t qh;
+      memcpy(&qh, w + 2, 4);
+      const __m256i high = _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16));
+      q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), high), _mm256_set1_epi8(16));
+    }
     const __m256i magnitude = _mm256_sign_epi8(q, q);
     const float d = _cvtsh_ss(*(const uint16_t*)w);
     for (int r = 0; r < rows; r++) {
@@ -249,8 +261,8 @@ AVX2 static INLINE void dot_q8_0_rows(const uint8_t* w, const ActRow* a, const i
   for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]);
 }
 
-/* Q4_0, Q5_0, Q4_1, Q5_1: unsigned levels, w = d q + m per block (m = -8 d, -16 d, or the block's minimum): the
- * levels dotted as they are, m times each row's level sum in float */
+/* Q4_1, Q5_1: unsigned levels, w = d q + m per block: the levels dotted as they are, the block's minimum times each
+ * row's level sum in float */
 AVX2 static INLINE void dot_unsigned_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                           int64_t stride, const int type) {
   const int minimum = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
@@ -402,11 +414,11 @@ AVX2 static INLINE void dot_q6_k_rows(const uint8_t* w, const ActRow* a, const i
       default: call(1); return;                                                                              \
     }                                                                                                        \
   }
-#define Q4_0_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q4_0)
-#define Q5_0_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q5_0)
+#define Q4_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q4_0)
+#define Q5_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q5_0)
 #define Q4_1_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q4_1)
 #define Q5_1_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q5_1)
-#define Q8_0_CALL(n) dot_q8_0_rows(w, a, n, k, out, stride)
+#define Q8_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q8_0)
 #define Q4_K_CALL(n) dot_k4_rows(w, a, n, k, out, stride, 0)
 #define Q5_K_CALL(n) dot_k4_rows(w, a, n, k, out, stride, 1)
 #define Q6_K_CALL(n) dot_q6_k_rows(w, a, n, k, out, stride)
