@@ -206,3 +206,15 @@ def test_the_serve_load_sends_long_prompts_that_no_other_request_of_the_run_shar
     assert all(len(text.split()) >= LONG_WORDS for text in longs)
     assert len({" ".join(text.split()[:8]) for text in longs}) == len(longs)  # each starts at a word of its own
     assert not set(prompts.short) & set(longs) and len(set(prompts.short)) == len(prompts.short)
+
+
+def test_the_long_prompt_is_fitted_to_the_models_own_tokens():
+    """A vocabulary that splits each word into three tokens gets a third of the words, and their count is ~1,000
+    tokens on that vocabulary (a synthetic GGUF's tokenizer made SmolLM2's 850 words 2,749 tokens, past 2,048)."""
+    from staticlm.apps.bench.serve_load import LONG_TOKENS, Prompts, fitted_long_words
+
+    def count(text: str) -> int:
+        return 3 * len(text.split())
+
+    words = fitted_long_words(count)
+    assert abs(count(Prompts(long_words=words).long()) - LONG_TOKENS) < 0.02 * LONG_TOKENS

@@ -14,7 +14,16 @@ import numpy as np
 
 from .base import BenchContext, Row
 from .memory import budget_note, model_file_bytes
-from .serve_load import CLIENTS, NUM_TOKENS, TTFT_TARGET, Prompts, long_prefill, passages, run_clients
+from .serve_load import (
+    CLIENTS,
+    NUM_TOKENS,
+    TTFT_TARGET,
+    Prompts,
+    fitted_long_words,
+    long_prefill,
+    passages,
+    run_clients,
+)
 from .serve_process import running_server, stream_chat
 from .worker import PeakMemory
 
@@ -64,8 +73,9 @@ def bench_serve(ctx: BenchContext) -> list[Row]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     with running_server(ctx.model_dir, threads=ctx.options.threads, processes=(server := [])) as base:
         stream_chat(base, [{"role": "user", "content": "warm up"}], max_tokens=4)
+        long_words = QUICK_LONG_WORDS if quick else fitted_long_words(_token_counter(ctx.model_dir))
         rows = _load_rows(ctx, base, server[0].pid, clients=(1, 2) if quick else CLIENTS, max_tokens=max_tokens,
-                          prompts=Prompts(long_words=QUICK_LONG_WORDS) if quick else Prompts())
+                          prompts=Prompts(long_words=long_words))
         turns = passages(3, num_words=5) if quick else passages(NUM_TURNS)
         ctx.log(f"  a {len(turns)}-turn conversation, prompt cache on ...")
         cache_on = _conversation(base, turns, max_tokens=max_tokens if quick else TURN_TOKENS)
@@ -74,6 +84,14 @@ def bench_serve(ctx: BenchContext) -> list[Row]:
         stream_chat(base, [{"role": "user", "content": "warm up"}], max_tokens=4)
         cache_off = _conversation(base, turns, max_tokens=max_tokens if quick else TURN_TOKENS)
     return rows + _conversation_rows(ctx, cache_on, cache_off)
+
+
+def _token_counter(model_dir):
+    """text -> the family's own token count."""
+    from staticlm.runtime.model import open_tokenizer
+
+    tokenizer = open_tokenizer(model_dir)
+    return lambda text: len(tokenizer.encode(text))
 
 
 def _load_rows(ctx: BenchContext, base: str, pid: int, *, clients: tuple[int, ...], max_tokens: int,

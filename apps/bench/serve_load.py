@@ -22,6 +22,7 @@ CLIENTS = (1, 4, 8)
 NUM_TOKENS = 64
 LONG_EVERY = 4  # clients 0, 4, ... send the long prompt
 LONG_WORDS = 850  # ~1,000 SmolLM2 tokens of the shipped text with the chat template
+LONG_TOKENS = 1000  # what the long prompt is fitted to on another model's tokenizer (fitted_long_words)
 SHORT_WORDS = 25
 NUM_PREFILL_RUNS = 3  # the one-client yardstick's TTFT samples
 TTFT_TARGET = 2.0  # issue 35: TTFT p95 of the most clients within this many times the long prefill's p50
@@ -49,6 +50,13 @@ class Prompts:
         start = next(self._starts) % len(self.words)
         words = (self.words[start:] + self.words[:start]) * 2
         return " ".join(words[:self.long_words]) + "\n\nSummarize this text."
+
+
+def fitted_long_words(count_tokens, *, target_tokens: int = LONG_TOKENS) -> int:
+    """Words of the shipped text whose long prompt is about target_tokens of this model's tokens (count_tokens: text
+    -> tokens): a synthetic GGUF's vocabulary splits the words far finer than SmolLM2's, past its context."""
+    sample = Prompts().long()
+    return max(SHORT_WORDS, round(LONG_WORDS * target_tokens / max(1, count_tokens(sample))))
 
 
 def percentile(xs: list[float], q: float) -> float:
