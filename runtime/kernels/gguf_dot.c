@@ -85,64 +85,54 @@ void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d,
 
 /* ---- portable dots -------------------------------------------------------------------------------------------- */
 
-static float dot_q4_0(const uint8_t* w, ActRow a, int k) {
-  float total = 0.0f;
-  for (int b = 0; b < k / QK_0; b++, w += 18) {
-    int sum = 0;
-    for (int i = 0; i < 16; i++) {
-      sum += ((w[2 + i] & 15) - 8) * a.q[b * 32 + i] + ((w[2 + i] >> 4) - 8) * a.q[b * 32 + 16 + i];
-    }
-    total += read_fp16(w) * a.d[b] * (float)sum;
+/* The 32-input types: a block's 32 levels, unsigned, and what stands for zero: w = d (q - mid) for Q4_0, Q5_0 and
+ * Q8_0 (mid 8, 16, 0; Q8_0's levels are signed bytes), w = d q + m for Q4_1 and Q5_1 (their minimum m). */
+typedef struct {
+  int bytes, head, five, minimum, mid; /* head: bytes before the nibbles (d, [m], [qh]) */
+} Block32;
+
+static Block32 block32(int type) {
+  switch (type) {
+    case GGML_Q4_0: return (Block32){18, 2, 0, 0, 8};
+    case GGML_Q5_0: return (Block32){22, 6, 1, 0, 16};
+    case GGML_Q4_1: return (Block32){20, 4, 0, 1, 0};
+    case GGML_Q5_1: return (Block32){24, 8, 1, 1, 0};
+    default: return (Block32){34, 2, 0, 0, 0}; /* Q8_0 */
   }
-  return total;
 }
 
-static float dot_q5_0(const uint8_t* w, ActRow a, int k) {
-  float total = 0.0f;
-  for (int b = 0; b < k / QK_0; b++, w += 22) {
-    uint32_t qh;
-    memcpy(&qh, w + 2, 4);
-    int sum = 0;
-    for (int i = 0; i < 16; i++) {
-      const int lo = (w[6 + i] & 15) | (((qh >> i) & 1) << 4), hi = (w[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
-      sum += (lo - 16) * a.q[b * 32 + i] + (hi - 16) * a.q[b * 32 + 16 + i];
-    }
-    total += read_fp16(w) * a.d[b] * (float)sum;
+static void levels32(int type, const uint8_t* w, int q[32]) {
+  const Block32 f = block32(type);
+  if (type == GGML_Q8_0) {
+    for (int i = 0; i < 32; i++) q[i] = (int8_t)w[2 + i];
+    return;
   }
-  return total;
+  uint32_t qh = 0;
+  if (f.five) memcpy(&qh, w + f.head - 4, 4);
+  for (int i = 0; i < 16; i++) {
+    q[i] = (w[f.head + i] & 15) | (int)(((qh >> i) & 1) << 4);
+    q[16 + i] = (w[f.head + i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+  }
 }
 
-/* Q4_1 / Q5_1: w = d q + m per block of 32 (q unsigned; Q5_1's fifth bits in a 32-bit word before the nibbles) */
-static float dot_x_1(const uint8_t* w, ActRow a, int k, int five) {
-  const int bytes = five ? 24 : 20;
+static float dot_32(int type, const uint8_t* w, ActRow a, int k) {
+  const Block32 f = block32(type);
   float total = 0.0f;
-  for (int b = 0; b < k / QK_0; b++, w += bytes) {
-    uint32_t qh = 0;
-    if (five) memcpy(&qh, w + 4, 4);
-    const uint8_t* qs = w + (five ? 8 : 4);
-    int sum = 0;
-    for (int i = 0; i < 16; i++) {
-      const int lo = (qs[i] & 15) | (int)(((qh >> i) & 1) << 4), hi = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
-      sum += lo * a.q[b * 32 + i] + hi * a.q[b * 32 + 16 + i];
-    }
+  for (int b = 0; b < k / QK_0; b++, w += f.bytes) {
+    int q[32], sum = 0;
+    levels32(type, w, q);
+    for (int i = 0; i < 32; i++) sum += (q[i] - f.mid) * a.q[b * 32 + i];
     const int level_sum = a.sums[2 * b] + a.sums[2 * b + 1];
-    total += a.d[b] * (read_fp16(w) * (float)sum + read_fp16(w + 2) * (float)level_sum);
+    total += a.d[b] * (read_fp16(w) * (float)sum + (f.minimum ? read_fp16(w + 2) * (float)level_sum : 0.0f));
   }
   return total;
 }
 
-static float dot_q4_1(const uint8_t* w, ActRow a, int k) { return dot_x_1(w, a, k, 0); }
-static float dot_q5_1(const uint8_t* w, ActRow a, int k) { return dot_x_1(w, a, k, 1); }
-
-static float dot_q8_0(const uint8_t* w, ActRow a, int k) {
-  float total = 0.0f;
-  for (int b = 0; b < k / QK_0; b++, w += 34) {
-    int sum = 0;
-    for (int i = 0; i < 32; i++) sum += (int8_t)w[2 + i] * a.q[b * 32 + i];
-    total += read_fp16(w) * a.d[b] * (float)sum;
-  }
-  return total;
-}
+static float dot_q4_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q4_0, w, a, k); }
+static float dot_q5_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q5_0, w, a, k); }
+static float dot_q4_1(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q4_1, w, a, k); }
+static float dot_q5_1(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q5_1, w, a, k); }
+static float dot_q8_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q8_0, w, a, k); }
 
 /* Q4_K and Q5_K: sub-block j of 32 is 4 low bits from qs (64 inputs per 32 bytes, low nibbles first) and, for
  * Q5_K, bit j of qh[l]; w = d sc_j q - dmin m_j. */
@@ -491,46 +481,19 @@ DotFn dot_function(int type, int portable) {
 void dequantize_row(int type, const uint8_t* w, int k, float* y) {
   switch (type) {
     case GGML_Q4_0:
-      for (int b = 0; b < k / QK_0; b++, w += 18, y += 32) {
-        const float d = read_fp16(w);
-        for (int i = 0; i < 16; i++) {
-          y[i] = d * (float)((w[2 + i] & 15) - 8);
-          y[16 + i] = d * (float)((w[2 + i] >> 4) - 8);
-        }
-      }
-      return;
     case GGML_Q5_0:
-      for (int b = 0; b < k / QK_0; b++, w += 22, y += 32) {
-        const float d = read_fp16(w);
-        uint32_t qh;
-        memcpy(&qh, w + 2, 4);
-        for (int i = 0; i < 16; i++) {
-          y[i] = d * (float)((int)((w[6 + i] & 15) | (((qh >> i) & 1) << 4)) - 16);
-          y[16 + i] = d * (float)((int)((w[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
-        }
-      }
-      return;
     case GGML_Q4_1:
-    case GGML_Q5_1: {
-      const int five = type == GGML_Q5_1;
-      for (int b = 0; b < k / QK_0; b++, w += five ? 24 : 20, y += 32) {
-        const float d = read_fp16(w), m = read_fp16(w + 2);
-        uint32_t qh = 0;
-        if (five) memcpy(&qh, w + 4, 4);
-        const uint8_t* qs = w + (five ? 8 : 4);
-        for (int i = 0; i < 16; i++) {
-          y[i] = d * (float)((qs[i] & 15) | (int)(((qh >> i) & 1) << 4)) + m;
-          y[16 + i] = d * (float)((qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) + m;
-        }
+    case GGML_Q5_1:
+    case GGML_Q8_0: {
+      const Block32 f = block32(type);
+      for (int b = 0; b < k / QK_0; b++, w += f.bytes, y += 32) {
+        const float d = read_fp16(w), m = f.minimum ? read_fp16(w + 2) : 0.0f;
+        int q[32];
+        levels32(type, w, q);
+        for (int i = 0; i < 32; i++) y[i] = f.minimum ? d * (float)q[i] + m : d * (float)(q[i] - f.mid);
       }
       return;
     }
-    case GGML_Q8_0:
-      for (int b = 0; b < k / QK_0; b++, w += 34, y += 32) {
-        const float d = read_fp16(w);
-        for (int i = 0; i < 32; i++) y[i] = d * (float)(int8_t)w[2 + i];
-      }
-      return;
     case GGML_Q4_K:
     case GGML_Q5_K: {
       const int five = type == GGML_Q5_K, bytes = five ? 176 : 144;

@@ -197,13 +197,11 @@ static OrtStatus* ORT_API_CALL gather_compute(void* op_kernel, OrtKernelContext*
 
 /* ---- the two ops' descriptions --------------------------------------------------------------------------------- */
 
-static OrtStatus* ORT_API_CALL create_matmul(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info,
-                                             void** out) {
-  (void)op, (void)a;
+static OrtStatus* create(const OrtKernelInfo* info, const char* op, int matmul, void** out) {
   Kernel* kernel = calloc(1, sizeof(Kernel));
-  if (kernel == NULL) return api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
-  OrtStatus* status = read_kernel(info, "GgufMatMul", 1, kernel);
-  if (status == NULL && kernel->dot == NULL) status = fail("GgufMatMul", "no dot for this ggml_type");
+  if (kernel == NULL) return api->CreateStatus(ORT_FAIL, "out of memory");
+  OrtStatus* status = read_kernel(info, op, matmul, kernel);
+  if (status == NULL && matmul && kernel->dot == NULL) status = fail(op, "no dot for this ggml_type");
   if (status != NULL) {
     free(kernel);
     return status;
@@ -212,18 +210,16 @@ static OrtStatus* ORT_API_CALL create_matmul(const OrtCustomOp* op, const OrtApi
   return NULL;
 }
 
+static OrtStatus* ORT_API_CALL create_matmul(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info,
+                                             void** out) {
+  (void)op, (void)a;
+  return create(info, "GgufMatMul", 1, out);
+}
+
 static OrtStatus* ORT_API_CALL create_gather(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info,
                                              void** out) {
   (void)op, (void)a;
-  Kernel* kernel = calloc(1, sizeof(Kernel));
-  if (kernel == NULL) return api->CreateStatus(ORT_FAIL, "GgufGather: out of memory");
-  OrtStatus* status = read_kernel(info, "GgufGather", 0, kernel);
-  if (status != NULL) {
-    free(kernel);
-    return status;
-  }
-  *out = kernel;
-  return NULL;
+  return create(info, "GgufGather", 0, out);
 }
 
 static void ORT_API_CALL destroy(void* kernel) { free(kernel); }
