@@ -1,0 +1,12 @@
+/* The AVX2 kernels (gguf_avx2.c): x86-64 only, used where have_avx2(). */
+#pragma once
+#include "gguf_dot.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define HAS_X86 1
+int have_avx2(void);
+DotFn avx2_dot(int type);
+void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums);
+#else
+#define HAS_X86 0
+#endif
