@@ -39,10 +39,6 @@ class Grammars:
         return cls(Path(model.engine.model_dir) / m.tokenizer_file, vocab_size=m.model.vocab_size,
                    eos_token_ids=model.tokenizer.eos_token_ids)
 
-    def warm_up(self) -> None:
-        """Build the llguidance tokenizer now (the server does it on a side thread at startup)."""
-        self._llg()
-
     def _llg(self):
         import llguidance
 
