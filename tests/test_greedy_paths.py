@@ -14,6 +14,7 @@ import pytest
 from conftest import model_of
 
 from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.generate.sampling import SamplingParams
 from staticlm.runtime.generate.sequence_request import Finished, SequenceRequest
 from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.session.device import Device, DeviceOptions
@@ -93,3 +94,18 @@ def test_a_row_run_alone_changes_some_answers(smollm2_cpu_family):
         paths = _paths(model, ids)
         disagreements += sum(answer != paths["cold"] for answer in paths.values())
     assert disagreements > 0
+
+
+def test_a_batch_step_pairs_its_rows_only_for_a_greedy_row(smollm2_cpu_family):
+    # A paired step puts twice the rows through every linear layer: the rows pay for it only where a greedy answer
+    # needs the bits. Logprobs keep the speculator out, so every step is a decode step.
+    model = _model(smollm2_cpu_family)
+    ids = _prompts(model)[0]
+    counters = model.loop.rows.engine.counters
+    for temperature, want_paired in ((0.7, False), (0.0, True)):
+        params = GenerationParams(max_new_tokens=8, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=temperature, seed=1))
+        steps, paired = counters.num_decode_steps, counters.num_paired_steps
+        model.generate_many(ids, params, num_responses=3, num_logprobs=0)
+        assert counters.num_decode_steps - steps >= 7  # the choices' tokens after the first, one step each
+        assert counters.num_paired_steps - paired == (counters.num_decode_steps - steps if want_paired else 0)
