@@ -137,7 +137,8 @@ class Model:
 
         Without --speculate, an engine that pairs rows (Engine.pairs_rows) still drafts one token by prompt lookup
         where it can: the row a decode step runs beside its token then checks a guess instead of recomputing the
-        row before it, at the same cost (engine: the one the speculator steps, default the lane)."""
+        row before it, at the same cost (engine: the one the speculator steps, default the lane; the batch rows draft
+        only in the steps they pair, rows.py)."""
         spec = self.options.speculate_options()
         if spec.mode is SpeculateMode.NONE:
             if not getattr(engine or self.engine, "pairs_rows", False):

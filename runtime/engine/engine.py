@@ -182,7 +182,9 @@ class Engine:
         (MatMulNBits' one-row kernel, GroupQueryAttention's token path) than for two or more, and the two round
         differently: a greedy near-tie then flips with the path a row took (prompt cache, chunk size, batch,
         speculation). Any step of two or more real rows gives a row the same bits, so a lone row runs again beside
-        the row before it (tests/test_greedy_paths.py): decode reads every weight once either way."""
+        the row before it (tests/test_greedy_paths.py). That row is not free: MatMulNBits computes on int8
+        activations, so its time grows with the rows of a step, and a paired batch step costs more than a plain one
+        (the loop pairs a batch step only for greedy rows, rows.py)."""
         return self.graphs.any_rows and self.options.paired_rows
 
     def _can_pair(self, previous: int | None) -> bool:
@@ -242,6 +244,7 @@ class Engine:
         t0 = time.perf_counter()
         if self._can_pair(previous):
             logits = self._paired(token_id, previous)
+            self.counters.num_paired_steps += 1
         else:
             self._token[0] = token_id
             first = self.graphs.sink and self.num_cached == 0
@@ -275,7 +278,7 @@ class Engine:
         """One token per sequence in, logits [B, V] out; finished (inactive) sequences commit nothing.
 
         previous [B]: each sequence's last cached token, which its row runs beside (pairs_rows): every active row
-        steps back one row (one rewind for all of them) and runs it again in a two-row step."""
+        steps back one row (one rewind for all of them) and runs it again in a two-row step. None: one row each."""
         self.check_room(1)
         t0 = time.perf_counter()
         steps_back = self._row_steps  # [B] 1 for an active row
@@ -286,6 +289,7 @@ class Engine:
             logits = self._run(self.graphs.rows_entry(2), self._pair_tokens)
             steps_back *= 2
             self.kv.advance(steps_back)
+            self.counters.num_paired_steps += 1
         else:
             logits = self._run(self.graphs.rung(self.graphs.decode, self.num_cached),
                                token_ids.reshape(self.batch, 1))

@@ -12,6 +12,7 @@ import numpy as np
 class StepCounters:
     num_prefill_tokens: int = 0
     num_decode_steps: int = 0
+    num_paired_steps: int = 0  # of which ran each row beside its previous token (Engine.pairs_rows)
     num_verify_steps: int = 0
     num_verify_rows: int = 0  # rows the verify graphs computed (real drafts + padding)
     num_verify_tokens: int = 0  # of which real tokens

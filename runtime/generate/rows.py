@@ -127,7 +127,12 @@ class Rows:
             step.active[r], step.pending[r], step.previous[r] = True, seq.pending, seq.previous
         out = step.out
         out.clear()
-        if self.speculator is not None and all(s.plain for s in seqs.values()):
+        # Rows run beside their previous token only where a greedy row needs the bits (RunningSequence.exact): a
+        # paired step puts twice the rows through every linear layer, whose time grows with its rows on the CPU
+        paired = any(s.exact for s in seqs.values())
+        # Without --speculate the speculator only drafts into the row a paired step pays for anyway (Model.speculator)
+        drafts = paired or self.model.speculates
+        if self.speculator is not None and drafts and all(s.plain for s in seqs.values()):
             for r in range(self.num_rows):
                 seq = seqs.get(r)
                 step.contexts[r] = seq.history if seq is not None else _NO_CONTEXT
@@ -138,7 +143,8 @@ class Rows:
             if tokens is not None:
                 out.update((r, tokens[r]) for r in seqs)
                 return out
-        logits = engine.decode_batch(step.pending, active=step.active, previous=step.previous)  # [B, V]
+        logits = engine.decode_batch(step.pending, active=step.active,
+                                     previous=step.previous if paired else None)  # [B, V]
         out.update((r, logits[r]) for r in seqs)
         return out
 

@@ -38,6 +38,13 @@ class RunningSequence:
         return self.history[-2]
 
     @property
+    def exact(self) -> bool:
+        """Whether its rows must come out to the same bits whatever step they run in (Engine.pairs_rows): a greedy
+        choice is an argmax, which a last-bit difference flips at a near-tie; a sampled one only moves its draw's
+        thresholds by as much, so its batch steps need not pay for a paired row."""
+        return self.request.params.sampling.is_greedy
+
+    @property
     def plain(self) -> bool:
         """Whether every step's token may come from speculation: no grammar to check it, no logprobs to report."""
         return self.constraint is None and self.request.num_logprobs is None
