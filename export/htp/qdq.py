@@ -183,15 +183,9 @@ def _quantizer_notes_off():
 
 
 def _quantize_static(float_path: Path, out_path: Path, config, cache: Path) -> None:
-    from onnxruntime.quantization import quantize_static
+    from .ort_quantizer import quantize_with_index
 
-    quantize_static(str(float_path), str(out_path), None, calibrate_method=config.calibrate_method,
-                    quant_format=config.quant_format, activation_type=config.activation_type,
-                    weight_type=config.weight_type, op_types_to_quantize=config.op_types_to_quantize,
-                    nodes_to_quantize=config.nodes_to_quantize, nodes_to_exclude=config.nodes_to_exclude,
-                    per_channel=config.per_channel, reduce_range=config.reduce_range,
-                    use_external_data_format=True, calibration_providers=config.calibration_providers,
-                    extra_options=config.extra_options, calibration_cache_path=str(cache))
+    quantize_with_index(float_path, out_path, config, cache)
 
 
 def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges,
