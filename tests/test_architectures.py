@@ -33,6 +33,20 @@ def tiny(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def htp_family(tiny, tmp_path_factory):
+    """arch -> its w8a16 family (exported from the GGUF on first use): one export serves both HTP tests, which only
+    read it (the emulator test runs a copy)."""
+    built: dict = {}
+
+    def get(arch: str):
+        if arch not in built:
+            _hf_dir, _model, gguf = tiny(arch)
+            built[arch] = _export(gguf, tmp_path_factory.mktemp(f"{arch}_htp") / "family", target="htp")
+        return built[arch]
+    return get
+
+
 def _source(tiny, arch: str, kind: str):
     hf_dir, _model, gguf = tiny(arch)
     return hf_dir if kind == "hf" else gguf
@@ -144,10 +158,10 @@ def test_htp_style_float_graphs_match_transformers(tiny, arch, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", tiny_archs.ARCHS)
-def test_htp_quantized_family_agrees_with_transformers(tiny, arch, tmp_path):
+def test_htp_quantized_family_agrees_with_transformers(tiny, htp_family, arch):
     """w8a16 QDQ graphs, calibrated on the family's own traces, run on the CPU EP."""
-    _hf_dir, model, gguf = tiny(arch)
-    family = _export(gguf, tmp_path / "family", target="htp")
+    _hf_dir, model, _gguf = tiny(arch)
+    family = htp_family(arch)
     got, want = _teacher_forced(family), hf_step(model, TEXT[None], None)[0][0]
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
 
@@ -155,15 +169,14 @@ def test_htp_quantized_family_agrees_with_transformers(tiny, arch, tmp_path):
 @pytest.mark.slow
 @pytest.mark.htp
 @pytest.mark.parametrize("arch", tiny_archs.ARCHS)
-def test_htp_emulator_runs_every_architecture_like_the_cpu_ep(tiny, arch, tmp_path):
+def test_htp_emulator_runs_every_architecture_like_the_cpu_ep(htp_family, arch, tmp_path):
     """Every node on HTP (CPU fallback disabled): the q/k norms, partial rotary and biases included."""
     from test_htp import _htp_copy
 
     from staticlm.runtime.engine.engine import Engine, EngineOptions
     from staticlm.runtime.session.device import Device, DeviceOptions
 
-    _hf_dir, _model, gguf = tiny(arch)
-    directory = _htp_copy(_export(gguf, tmp_path / "family", target="htp"), tmp_path / "emu")
+    directory = _htp_copy(htp_family(arch), tmp_path / "emu")
     cpu, htp = (Engine(directory, options=EngineOptions(device=DeviceOptions(device=d)))
                 for d in (Device.CPU, Device.HTP))
     for engine in (cpu, htp):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -182,15 +183,9 @@ def _quantizer_notes_off():
 
 
 def _quantize_static(float_path: Path, out_path: Path, config, cache: Path) -> None:
-    from onnxruntime.quantization import quantize_static
+    from .ort_quantizer import quantize_with_index
 
-    quantize_static(str(float_path), str(out_path), None, calibrate_method=config.calibrate_method,
-                    quant_format=config.quant_format, activation_type=config.activation_type,
-                    weight_type=config.weight_type, op_types_to_quantize=config.op_types_to_quantize,
-                    nodes_to_quantize=config.nodes_to_quantize, nodes_to_exclude=config.nodes_to_exclude,
-                    per_channel=config.per_channel, reduce_range=config.reduce_range,
-                    use_external_data_format=True, calibration_providers=config.calibration_providers,
-                    extra_options=config.extra_options, calibration_cache_path=str(cache))
+    quantize_with_index(float_path, out_path, config, cache)
 
 
 def recalibrated(model: onnx.ModelProto, *, calibrated: Ranges, ranges: Ranges,
@@ -297,10 +292,6 @@ def signed_matmul_operands(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _consumers(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto]:
-    return [n for n in graph.node if name in n.input]
-
-
 def strip_boundary(model: onnx.ModelProto, pinned: dict[str, TensorQuant]) -> onnx.ModelProto:
     """Make each pinned graph input/output its integer form, removing the boundary Q (inputs) / DQ (outputs).
 
@@ -308,19 +299,36 @@ def strip_boundary(model: onnx.ModelProto, pinned: dict[str, TensorQuant]) -> on
     Output y: ... -> Q -> q -> DQ -> y becomes ... -> Q -> y(int); consumers inside the graph that read
     the DQ output keep reading a DQ (of the integer output), so the step's own attention sees exactly
     the integers the next step will read back.
+
+    One index of producers and readers, kept up to date by every rename: a search of the whole graph per
+    boundary tensor made this quadratic (hundreds of KV tensors x thousands of nodes in a 30-layer model).
     """
     g = model.graph
-    producer = {o: n for n in g.node for o in n.output}
+    nodes = list(g.node)  # these objects are the ones edited and written back
+    producer = {o: n for n in nodes for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for n in nodes:
+        for i in dict.fromkeys(n.input):
+            readers[i].append(n)
+    removed: list[onnx.NodeProto] = []
+
+    def rename(node: onnx.NodeProto, old: str, new: str) -> None:
+        node.input[:] = [new if i == old else i for i in node.input]
+        readers[old] = [n for n in readers[old] if n is not node]
+        if not any(n is node for n in readers[new]):
+            readers[new].append(node)
+
     for vi in g.input:
         if vi.name not in pinned:
             continue
-        (q,) = [n for n in _consumers(g, vi.name) if n.op_type in Q_OPS] or [None]
-        if q is None or len(_consumers(g, vi.name)) != 1:
+        (q,) = [n for n in readers[vi.name] if n.op_type in Q_OPS] or [None]
+        if q is None or len(readers[vi.name]) != 1:
             raise ValueError(f"input {vi.name}: expected exactly one QuantizeLinear consumer")
         q_out = q.output[0]
-        g.node.remove(q)
-        for n in _consumers(g, q_out):
-            n.input[:] = [vi.name if i == q_out else i for i in n.input]
+        removed.append(q)
+        readers[vi.name] = []
+        for n in list(readers[q_out]):
+            rename(n, q_out, vi.name)
         vi.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pinned[vi.name].dtype))
     for vo in g.output:
         if vo.name not in pinned:
@@ -332,17 +340,25 @@ def strip_boundary(model: onnx.ModelProto, pinned: dict[str, TensorQuant]) -> on
         q = producer[q_out]
         if q.op_type not in Q_OPS:
             raise ValueError(f"output {vo.name}: its DequantizeLinear does not read a QuantizeLinear")
-        for n in g.node:  # the integer tensor takes the output's name
-            n.input[:] = [vo.name if i == q_out else i for i in n.input]
+        for n in list(readers[q_out]):  # the integer tensor takes the output's name
+            rename(n, q_out, vo.name)
         q.output[0] = vo.name
-        inner = _consumers(g, vo.name)
-        inner = [n for n in inner if n is not dq]
+        del producer[q_out]
+        producer[vo.name] = q
+        inner = [n for n in readers[vo.name] if n is not dq]
         if inner:  # keep the DQ for in-graph readers, under a new name
             deq = f"{vo.name}_dequantized"
             dq.output[0] = deq
+            producer[deq] = dq
             for n in inner:
-                n.input[:] = [deq if i == vo.name else i for i in n.input]
+                rename(n, vo.name, deq)
         else:
-            g.node.remove(dq)
+            removed.append(dq)
+            readers[vo.name] = []
         vo.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pinned[vo.name].dtype))
+    if removed:
+        gone = {id(n) for n in removed}  # nodes holds every node, so no id is reused meanwhile
+        kept = [n for n in nodes if id(n) not in gone]
+        del g.node[:]
+        g.node.extend(kept)
     return model
