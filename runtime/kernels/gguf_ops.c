@@ -75,6 +75,29 @@ static OrtStatus* read_tensor(const OrtValue* value, const char* op, Tensor* t) 
   return api->GetTensorMutableData((OrtValue*)value, &t->data);
 }
 
+/* The op's two inputs, read */
+static OrtStatus* read_inputs(OrtKernelContext* context, const char* op, Tensor* first, Tensor* second) {
+  const OrtValue *a = NULL, *b = NULL;
+  TRY(api->KernelContext_GetInput(context, 0, &a));
+  TRY(api->KernelContext_GetInput(context, 1, &b));
+  TRY(read_tensor(a, op, first));
+  return read_tensor(b, op, second);
+}
+
+/* The calling thread's scratch for x's quantized rows, kept between calls (a decode step runs a hundred of these
+ * ops: no allocation per op once it has grown); NULL when it cannot grow. */
+static char* scratch_of(size_t bytes) {
+  static _Thread_local char* scratch = NULL;
+  static _Thread_local size_t capacity = 0;
+  if (bytes > capacity) {
+    char* grown = realloc(scratch, bytes);
+    if (grown == NULL) return NULL;
+    scratch = grown;
+    capacity = bytes;
+  }
+  return scratch;
+}
+
 /* ---- GgufMatMul ---------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -124,12 +147,8 @@ static void quantize_task(void* data, size_t row) {
 
 static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext* context) {
   const Kernel* kn = op_kernel;
-  const OrtValue *xv = NULL, *wv = NULL;
-  TRY(api->KernelContext_GetInput(context, 0, &xv));
-  TRY(api->KernelContext_GetInput(context, 1, &wv));
   Tensor x, w;
-  TRY(read_tensor(xv, "GgufMatMul", &x));
-  TRY(read_tensor(wv, "GgufMatMul", &w));
+  TRY(read_inputs(context, "GgufMatMul", &x, &w));
   if (x.dims[x.rank - 1] != kn->k) return fail("GgufMatMul", "x's last dimension is not K");
   if ((int64_t)w.count != kn->n * kn->row_bytes) return fail("GgufMatMul", "w is not N rows of K's blocks");
   const int64_t m = (int64_t)x.count / kn->k;
@@ -143,8 +162,8 @@ static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext*
   if (m == 0 || kn->n == 0) return NULL;
 
   const int64_t scales = kn->k / kn->format.act_block, sums = kn->k / 16;
-  /* one block per call: [M, K] int8 levels, [M, K / act_block] scales, [M, K / 16] sums */
-  char* scratch = malloc((size_t)(m * kn->k + m * scales * sizeof(float) + m * sums * sizeof(int16_t)));
+  /* [M, K / act_block] scales, [M, K / 16] sums, [M, K] int8 levels */
+  char* scratch = scratch_of((size_t)(m * kn->k + m * scales * sizeof(float) + m * sums * sizeof(int16_t)));
   if (scratch == NULL) return api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
   float* d = (float*)scratch;
   int16_t* s = (int16_t*)(d + m * scales);
@@ -156,27 +175,18 @@ static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext*
   } else {
     for (int64_t r = 0; r < m; r++) quantize_task(&quantize, (size_t)r);
   }
-  if (status != NULL) {
-    free(scratch);
-    return status;
-  }
+  if (status != NULL) return status;
   MatMulJob job = {kn, w.data, q, d, s, m, y};
   const size_t tasks = (size_t)((kn->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-  status = api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job);
-  free(scratch);
-  return status;
+  return api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job);
 }
 
 /* ---- GgufGather ---------------------------------------------------------------------------------------------- */
 
 static OrtStatus* ORT_API_CALL gather_compute(void* op_kernel, OrtKernelContext* context) {
   const Kernel* kn = op_kernel;
-  const OrtValue *tv = NULL, *iv = NULL;
-  TRY(api->KernelContext_GetInput(context, 0, &tv));
-  TRY(api->KernelContext_GetInput(context, 1, &iv));
   Tensor table, ids;
-  TRY(read_tensor(tv, "GgufGather", &table));
-  TRY(read_tensor(iv, "GgufGather", &ids));
+  TRY(read_inputs(context, "GgufGather", &table, &ids));
   if (table.rank != 2 || table.dims[1] != kn->row_bytes) return fail("GgufGather", "table is not rows of K's blocks");
   if (ids.rank >= MAX_RANK) return fail("GgufGather", "ids' rank out of range");
   int64_t out_dims[MAX_RANK];
