@@ -12,9 +12,9 @@ weight that is rounded here. Consecutive projections that share a form become on
 A Q4_K_M file mixes types inside one linear (q and k Q4_K, v Q6_K): that linear runs two MatMulNBits nodes
 whose outputs are concatenated, so no projection is re-rounded to share a grid.
 
-With `CpuOptions.gguf_kernels`, a GGUF tensor of a type staticlm's kernels read (runtime/kernels) is none of the
-above: its own blocks are stored as they are in the file and one GgufMatMul reads them, so a step reads the file's
-bytes (every K-quant's MatMulNBits form is wider: 8-bit levels for Q6_K's 6, float scales and offsets).
+With `CpuOptions.gguf_kernels`, a GGUF tensor of one of BLOCK_TYPES is none of the above: its own blocks are
+stored as they are in the file and one GgufMatMul (runtime/kernels) reads them, so a step reads the file's bytes
+(their MatMulNBits forms are wider: 8-bit levels for Q6_K's 6, float scales and offsets).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from .quant import correction_rows
 OFFSET_BLOCK = 32  # every type with minima has 32-input blocks
 # The GGUF types whose own blocks the kernels read in the exported graphs (runtime/kernels reads more): those whose
 # MatMulNBits form is far wider than the file (8-bit levels for 5 and 6 bits, float scales and offsets per 16 or
-# 32). Q4_0, Q4_1 and Q8_0 keep MatMulNBits, whose form is close to their blocks' size and whose kernels run them
-# faster than ours (`staticlm bench`: the SmolLM2 rows).
+# 32). Q4_0, Q4_1 and Q8_0 keep MatMulNBits, whose form is close to their blocks' size and whose kernels (MLAS)
+# run them faster than ours at small models' shapes.
 BLOCK_TYPES = frozenset({"Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 FLOAT_BITS = 32
 
