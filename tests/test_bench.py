@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from staticlm.kv_manager.sizing import choose_bmc_r
+from staticlm.runtime import kernels
 
 EXPECTED_ROW_PREFIXES = ("bmc.alpha_bw", "bmc.beta_c", "bmc.N", "decode@", "prefill", "ttft", "peak_rss",
                          "kv_bytes", "strategy.concat", "strategy.shift", "strategy.bmc", "strategy.pointer",
                          "spec.rewrite.none", "spec.rewrite.lookup", "spec.chat.lookup", "responses4.together",
-                         "responses4.sequential", "decode_bytes@", "decode_read_rate@", "host_read_bandwidth")
+                         "responses4.sequential", "decode_bytes@", "decode_read_rate@", "host_read_bandwidth",
+                         "prefill_macs", "prefill_mac_rate")
 
 
 def staticlm(*args, env=None, timeout=120):
@@ -56,6 +58,9 @@ def test_quick_bench_writes_json_with_positive_speeds(quick_run, tiny_chat_famil
     weights_mb = (tiny_chat_family / "weights.bin").stat().st_size / 1e6
     assert rows["decode_bytes@128"]["ours"] <= weights_mb + rows["kv_bytes"]["ours"]
     assert rows["decode_bytes@128"]["ours"] < rows["decode_bytes@512"]["ours"]
+    # the prompt's achieved MAC rate is its MACs per token times its tok/s; the host's peak is where it can be probed
+    assert rows["prefill_mac_rate"]["ours"] == pytest.approx(rows["prefill_macs"]["ours"] * rows["prefill"]["ours"])
+    assert ("host_int8_peak" in rows) == kernels.available()
     assert report["meta"]["peers"] == [] and "failed" not in json.dumps(report["meta"].get("skipped_rows", {}))
     latency = report["figures"]["strategy_latency"]
     assert set(latency) == {"concat", "shift", "bmc", "pointer"}
@@ -218,3 +223,28 @@ def test_the_long_prompt_is_fitted_to_the_models_own_tokens():
 
     words = fitted_long_words(count)
     assert abs(count(Prompts(long_words=words).long()) - LONG_TOKENS) < 0.02 * LONG_TOKENS
+
+
+def test_prompt_macs_are_the_models_linears_plus_attention_over_the_prompt(tiny_hf_dir, tiny_family):
+    """Counted from the transformers model's own Linear layers (the head's left out: a prompt scores one row),
+    against the bench's count from the family's manifest."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from staticlm.apps.bench.compute import prompt_macs_per_token
+    from staticlm.runtime.family.manifest import load_manifest
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir)
+    linears = sum(m.in_features * m.out_features for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name != "lm_head")
+    c = load_manifest(tiny_family).model
+    attention = c.num_layers * 2 * c.num_heads * c.head_dim * (100 + 1) / 2
+    assert prompt_macs_per_token(tiny_family, 100) == pytest.approx(linears + attention)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the probe is in the GGUF kernels' library, not built here")
+def test_the_int8_peak_probe_reports_a_rate_for_each_thread_count():
+    from staticlm.apps.bench.compute import int8_mac_peak
+
+    one = int8_mac_peak(1, seconds=0.05, num_repeats=1)
+    assert one is not None and 1e8 < one < 1e13  # MACs/s: above 0.1 G, below any CPU core's reach

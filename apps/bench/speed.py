@@ -12,6 +12,7 @@ from staticlm.runtime.family.manifest import load_manifest
 from staticlm.runtime.generate.prompt_cache import common_prefix
 
 from .base import BenchContext, Row
+from .compute import int8_mac_peak, prompt_macs_per_token
 from .peers import PeerModel, PeerUnavailable, prepare, run_worker
 from .traffic import decode_weight_bytes, gguf_decode_bytes, kv_read_bytes, read_bandwidth
 
@@ -103,7 +104,24 @@ def bench_speed(ctx: BenchContext) -> list[Row]:
             results[name] = _best(results.get(name), result)
     ours = results.pop("staticlm")
     ctx.extra["speed_raw"] = {"staticlm": ours, **results}
-    return _rows(ours, results, ctx) + _traffic_rows(ours, results.get("llamacpp"), ctx, gguf=gguf)
+    return (_rows(ours, results, ctx) + _traffic_rows(ours, results.get("llamacpp"), ctx, gguf=gguf)
+            + _compute_rows(ours, results, ctx))
+
+
+def _compute_rows(ours: dict, peers: dict[str, dict], ctx: BenchContext) -> list[Row]:
+    """Multiply-accumulates per prompt token, the rate each system reached them at while prefilling, and the host's
+    int8 peak through the kernels' instructions (compute.py)."""
+    macs = prompt_macs_per_token(ctx.model_dir, ctx.prompt_len)
+    rows = [Row("prefill_macs", f"multiply-accumulates per prompt token, {ctx.prompt_len}-token prompt", "GMAC",
+                macs / 1e9, higher_is_better=False, note="linears and attention; the head scores one row per prompt"),
+            Row("prefill_mac_rate", "multiply-accumulate rate while prefilling", "GMAC/s",
+                macs * ours["prefill_tok_s"] / 1e9,
+                peers={name: macs * r["prefill_tok_s"] / 1e9 for name, r in peers.items()})]
+    peak = int8_mac_peak(ctx.options.threads)
+    if peak is not None:
+        rows.append(Row("host_int8_peak", f"host int8 MAC rate, {ctx.options.threads} threads", "GMAC/s", peak / 1e9,
+                        note="AVX2 maddubs+madd over L1-resident rows (runtime/kernels), best of 4"))
+    return rows
 
 
 def _traffic_rows(ours: dict, llamacpp: dict | None, ctx: BenchContext, *, gguf: Path | None) -> list[Row]:

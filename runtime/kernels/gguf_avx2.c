@@ -1,6 +1,7 @@
 /* The AVX2 dots and activation rounding (x86-64), picked at run time where the CPU has AVX2, FMA and F16C. */
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#include <time.h>
 
 #include "gguf_avx2.h"
 
@@ -147,8 +148,8 @@ AVX2 static INLINE __m256i broadcast16(int low_lane_index, int high_lane_index) 
   return _mm256_set_m128i(hi, lo);
 }
 
-/* Q4_K / Q5_K: integer sums over a super-block with the 6-bit scales, the minima dotted with the 32-input level
- * sums in one madd; one float multiply per super-block and row */
+/* Q4_K / Q5_K: integer sums over a super-block with the 6-bit scales; the minima, as 8 floats per super-block and
+ * weight row, dotted with each row's scaled sums in the same accumulator; one float multiply per super-block and row */
 AVX2 static INLINE void dot_k4_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                     int64_t stride, const int five) {
   const int bytes = five ? 176 : 144;
@@ -156,18 +157,20 @@ AVX2 static INLINE void dot_k4_rows(const uint8_t* w, const ActRow* a, const int
   __m256i pick[8];
   for (int j = 0; j < 8; j++) pick[j] = broadcast16(j, j);
   __m256 acc[TILE];
-  __m128 minima[TILE];
-  for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), minima[r] = _mm_setzero_ps();
+  for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < k / QK_K; b++, w += bytes) {
     uint32_t sm[4];
     k4_scales(w + 4, sm);
     const __m128i both = _mm_loadu_si128((const __m128i*)sm); /* scales, then minima */
-    const __m128i scales8 = _mm_cvtepu8_epi16(both), mins8 = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
+    const __m128i scales8 = _mm_cvtepu8_epi16(both);
     const __m256i scales = _mm256_set_m128i(scales8, scales8);
+    const __m256 minima = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(w + 2))),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))));
     const uint8_t* qs = w + (five ? 48 : 16);
     const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(w + 16)) : _mm256_setzero_si256();
     __m256i isum[TILE];
     for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1 /* unrolled, GCC keeps every row's products for one sum at the end, spilled */
     for (int c = 0; c < 4; c++) {
       const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
       __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
@@ -175,28 +178,21 @@ AVX2 static INLINE void dot_k4_rows(const uint8_t* w, const ActRow* a, const int
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
       }
-      const __m256i slo = _mm256_shuffle_epi8(scales, pick[2 * c]), shi = _mm256_shuffle_epi8(scales, pick[2 * c + 1]);
-      for (int r = 0; r < rows; r++) {
-        const int8_t* x = a[r].q + b * QK_K + 64 * c;
-        const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x));
-        const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32)));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(plo, slo), _mm256_madd_epi16(phi, shi)));
+      for (int half = 0; half < 2; half++) { /* the rows' 32 low levels, then their 32 high: few registers live */
+        const __m256i levels = half ? hi : lo, scale = _mm256_shuffle_epi8(scales, pick[2 * c + half]);
+        for (int r = 0; r < rows; r++) {
+          const __m256i x = _mm256_loadu_si256((const __m256i*)(a[r].q + b * QK_K + 64 * c + 32 * half));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(levels, x), scale));
+        }
       }
     }
-    const float d = _cvtsh_ss(*(const uint16_t*)w), dmin = _cvtsh_ss(*(const uint16_t*)(w + 2));
+    const float d = _cvtsh_ss(*(const uint16_t*)w);
     for (int r = 0; r < rows; r++) {
-      const __m128i* sums = (const __m128i*)(a[r].sums + b * 16);
-      const __m128i sums32 = _mm_hadd_epi16(_mm_loadu_si128(sums), _mm_loadu_si128(sums + 1)); /* [8] per 32 */
-      const __m128i msum = _mm_madd_epi16(mins8, sums32);                                       /* [4] */
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[r].d[b]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-      minima[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * a[r].d[b]), _mm_cvtepi32_ps(msum), minima[r]);
+      acc[r] = _mm256_fnmadd_ps(minima, _mm256_loadu_ps(a[r].scaled + b * 8), acc[r]);
     }
   }
-  for (int r = 0; r < rows; r++) {
-    __m128 m = _mm_add_ps(minima[r], _mm_movehl_ps(minima[r], minima[r]));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    out[r * stride] = hsum(acc[r]) - _mm_cvtss_f32(m);
-  }
+  for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]);
 }
 
 AVX2 static INLINE void dot_q6_k_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
@@ -245,10 +241,46 @@ AVX2 static INLINE void dot_q6_k_rows(const uint8_t* w, const ActRow* a, const i
   for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]);
 }
 
+AVX2 static double int8_mac_rate_avx2(double seconds) {
+  enum { K = 4096, ROWS = 4 };
+  static _Thread_local int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
+  for (int i = 0; i < ROWS * K; i++) x[i] = (int8_t)(i * 37);
+  const __m256i levels = _mm256_set1_epi8(11), scale = _mm256_set1_epi16(3);
+  __m256i acc[ROWS];
+  for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_si256();
+  struct timespec start, now;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+  double elapsed = 0.0, passes = 0.0;
+  while (elapsed < seconds) {
+    for (int pass = 0; pass < 64; pass++) {
+      for (int i = 0; i < K; i += 64) {
+        for (int r = 0; r < ROWS; r++) {
+          const __m256i p0 = _mm256_maddubs_epi16(levels, _mm256_loadu_si256((const __m256i*)(x + r * K + i)));
+          const __m256i p1 = _mm256_maddubs_epi16(levels, _mm256_loadu_si256((const __m256i*)(x + r * K + i + 32)));
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p0, scale), _mm256_madd_epi16(p1, scale)));
+        }
+      }
+      __asm__ volatile("" ::: "memory"); /* each pass reads x again */
+    }
+    passes += 64;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+    elapsed = (double)(now.tv_sec - start.tv_sec) + 1e-9 * (double)(now.tv_nsec - start.tv_nsec);
+  }
+  __m256i total = acc[0];
+  for (int r = 1; r < ROWS; r++) total = _mm256_add_epi32(total, acc[r]);
+  volatile int sink = _mm256_extract_epi32(total, 0); /* the sums are used: the loop is not removed */
+  (void)sink;
+  return passes * ROWS * K / elapsed;
+}
+
 /* one function per type and tile height, so each loop over rows has a constant count */
 #define TILED(name, call)                                                                                    \
   AVX2 static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) { \
     switch (rows) {                                                                                          \
+      case 8: call(8); return;                                                                               \
+      case 7: call(7); return;                                                                               \
+      case 6: call(6); return;                                                                               \
+      case 5: call(5); return;                                                                               \
       case 4: call(4); return;                                                                               \
       case 3: call(3); return;                                                                               \
       case 2: call(2); return;                                                                               \
@@ -271,6 +303,15 @@ TILED(dot_q5_1_avx2, Q5_1_CALL)
 TILED(dot_q4_k_avx2, Q4_K_CALL)
 TILED(dot_q5_k_avx2, Q5_K_CALL)
 TILED(dot_q6_k_avx2, Q6_K_CALL)
+
+/* The calling thread's int8 multiply-accumulate rate through the instructions every dot here is built from
+ * (maddubs into int16 pairs, madd into int32, add), the activations read from L1 as the dots read them: the ceiling
+ * the bench sets a prompt's achieved rate against. MACs per second of the thread's own CPU time (other processes
+ * sharing the core do not lower it) over about `seconds` of it; 0 without AVX2. */
+__attribute__((visibility("default"))) double staticlm_int8_mac_rate(double seconds) {
+  if (!have_avx2()) return 0.0;
+  return int8_mac_rate_avx2(seconds);
+}
 
 int have_avx2(void) {
   static int cached = -1;

@@ -30,11 +30,13 @@ static inline int block_format(int type, BlockFormat* f) {
   }
 }
 
-/* One activation row: q [K] int8, d [K / act_block] float, sums [K / 16] int16 (sum of each 16 levels). */
+/* One activation row: q [K] int8, d [K / act_block] float, sums [K / 16] int16 (sum of each 16 levels), and
+ * scaled [K / 32] float (each 32 levels' sum times their block's d: what a K-quant's minima are dotted with). */
 typedef struct {
   const int8_t* q;
   const float* d;
   const int16_t* sums;
+  const float* scaled;
 } ActRow;
 
 static inline float fp16_to_fp32(uint16_t h) {

@@ -27,15 +27,18 @@ static void quantize_act_row_portable(const float* x, int k, int act_block, int8
   }
 }
 
-void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums, int portable) {
+void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums, float* scaled,
+                      int portable) {
 #if HAS_X86
   if (!portable && have_avx2()) {
     quantize_act_row_avx2(x, k, act_block, q, d, sums);
-    return;
-  }
+  } else
 #endif
-  (void)portable;
-  quantize_act_row_portable(x, k, act_block, q, d, sums);
+  {
+    (void)portable;
+    quantize_act_row_portable(x, k, act_block, q, d, sums);
+  }
+  for (int j = 0; j < k / 32; j++) scaled[j] = d[j * 32 / act_block] * (float)(sums[2 * j] + sums[2 * j + 1]);
 }
 
 /* ---- portable dots -------------------------------------------------------------------------------------------- */

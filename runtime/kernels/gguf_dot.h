@@ -1,7 +1,7 @@
 #pragma once
 #include "gguf_blocks.h"
 
-#define TILE 4 /* activation rows one call dots a weight row with */
+#define TILE 8 /* activation rows one call dots a weight row with */
 
 /* w: one weight row (k / block_elems blocks); a: rows (1..TILE) activation rows quantized for its type;
  * out[r * stride] = w . a[r] */
@@ -10,8 +10,9 @@ typedef void (*DotFn)(const uint8_t* w, const ActRow* a, int rows, int k, float*
 /* portable: the scalar dot even where AVX2 is available (the tests compare both). NULL for a type without one. */
 DotFn dot_function(int type, int portable);
 
-/* x [k] -> q [k] int8, d [k / act_block] (q * d ~ x), sums [k / 16] (each 16 levels summed); act_block is a
- * multiple of 32 */
-void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums, int portable);
+/* x [k] -> q [k] int8, d [k / act_block] (q * d ~ x), sums [k / 16] (each 16 levels summed), scaled [k / 32]
+ * (each 32 levels' sum times d); act_block is a multiple of 32 */
+void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums, float* scaled,
+                      int portable);
 
 void dequantize_row(int type, const uint8_t* w, int k, float* y);

@@ -106,6 +106,7 @@ typedef struct {
   const int8_t* q;
   const float* d;
   const int16_t* sums;
+  const float* scaled;
   int64_t m;
   float* y;
 } MatMulJob;
@@ -121,7 +122,8 @@ static void matmul_task(void* data, size_t task) {
     ActRow a[TILE];
     for (int r = 0; r < rows; r++) {
       const int64_t row = r0 + r;
-      a[r] = (ActRow){job->q + row * kn->k, job->d + row * scales, job->sums + row * (kn->k / 16)};
+      a[r] = (ActRow){job->q + row * kn->k, job->d + row * scales, job->sums + row * (kn->k / 16),
+                      job->scaled + row * (kn->k / 32)};
     }
     for (int64_t col = first; col < last; col++) {
       kn->dot(job->w + col * kn->row_bytes, a, rows, (int)kn->k, job->y + r0 * kn->n + col, kn->n);
@@ -135,6 +137,7 @@ typedef struct {
   int8_t* q;
   float* d;
   int16_t* sums;
+  float* scaled;
 } QuantizeJob;
 
 static void quantize_task(void* data, size_t row) {
@@ -142,7 +145,7 @@ static void quantize_task(void* data, size_t row) {
   const Kernel* kn = job->kernel;
   const int64_t r = (int64_t)row, scales = kn->k / kn->format.act_block;
   quantize_act_row(job->x + r * kn->k, (int)kn->k, kn->format.act_block, job->q + r * kn->k, job->d + r * scales,
-                   job->sums + r * (kn->k / 16), kn->portable);
+                   job->sums + r * (kn->k / 16), job->scaled + r * (kn->k / 32), kn->portable);
 }
 
 static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext* context) {
@@ -161,14 +164,16 @@ static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext*
   TRY(api->GetTensorMutableData(yv, (void**)&y));
   if (m == 0 || kn->n == 0) return NULL;
 
-  const int64_t scales = kn->k / kn->format.act_block, sums = kn->k / 16;
-  /* [M, K / act_block] scales, [M, K / 16] sums, [M, K] int8 levels */
-  char* scratch = scratch_of((size_t)(m * kn->k + m * scales * sizeof(float) + m * sums * sizeof(int16_t)));
+  const int64_t scales = kn->k / kn->format.act_block, sums = kn->k / 16, scaled_sums = kn->k / 32;
+  /* [M, K / act_block] scales, [M, K / 32] scaled sums, [M, K / 16] sums, [M, K] int8 levels */
+  char* scratch = scratch_of((size_t)(m * kn->k + m * (scales + scaled_sums) * sizeof(float) +
+                                      m * sums * sizeof(int16_t)));
   if (scratch == NULL) return api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
   float* d = (float*)scratch;
-  int16_t* s = (int16_t*)(d + m * scales);
+  float* scaled = d + m * scales;
+  int16_t* s = (int16_t*)(scaled + m * scaled_sums);
   int8_t* q = (int8_t*)(s + m * sums);
-  QuantizeJob quantize = {kn, x.data, q, d, s};
+  QuantizeJob quantize = {kn, x.data, q, d, s, scaled};
   OrtStatus* status = NULL;
   if (m >= QUANTIZE_IN_PARALLEL) {
     status = api->KernelContext_ParallelFor(context, quantize_task, (size_t)m, 0, &quantize);
@@ -176,7 +181,7 @@ static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext*
     for (int64_t r = 0; r < m; r++) quantize_task(&quantize, (size_t)r);
   }
   if (status != NULL) return status;
-  MatMulJob job = {kn, w.data, q, d, s, m, y};
+  MatMulJob job = {kn, w.data, q, d, s, scaled, m, y};
   const size_t tasks = (size_t)((kn->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
   return api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job);
 }
