@@ -47,6 +47,7 @@ def test_scheduler_admits_in_order_never_over_allocates_and_bounds_its_queue(ops
         assert sorted(s.busy_rows()) == sorted(holding)
         assert admitted == submitted[:len(admitted)]  # oldest first, nobody jumps the queue
         assert s.waiting() == submitted[len(admitted):]
+        assert s.head() == next(iter(submitted[len(admitted):]), None)  # the next one admitted
 
 
 cached = st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=5)

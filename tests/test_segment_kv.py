@@ -253,16 +253,19 @@ def _single_tokens(family: Path, ids: list[int], params) -> list[int]:
 
 
 @pytest.mark.parametrize("num_responses", [4, 2])
-def test_greedy_responses_equal_single_runs(families, num_responses):
-    # n = 2 runs on the batch-4 export, its two spare rows inactive.
+@pytest.mark.parametrize("name", ["gqa", "windows"])
+def test_greedy_responses_equal_single_runs(families, num_responses, name):
+    # n = 2 runs on the batch-4 export, its two spare rows inactive. The gqa family's lane pairs its rows: its
+    # greedy choices run there as one sequence (Rows.greedy_exact); the windows family's take the segment's rows.
     from staticlm.runtime.engine.segment_engine import SegmentEngine
     from staticlm.runtime.generate.text_stream import GenerationParams
 
-    family = families["gqa"]
+    family = families[name]
     ids = list(np.random.default_rng(8).integers(0, 256, 9))
     params = GenerationParams(max_new_tokens=40, ignore_eos=True, sampling=_varied_greedy())
     gen, responses = _batch_generate(family, ids, params, segments=True, num_responses=num_responses)
     assert isinstance(gen.engine, SegmentEngine) and gen.engine.batch == 4
+    assert (gen.engine.counters.num_decode_steps > 0) == gen.greedy_exact == (name == "windows")
     want = _single_tokens(family, ids, params)
     assert len(responses) == num_responses and len(set(want)) > 10
     assert [r.token_ids for r in responses] == [want] * num_responses
@@ -284,14 +287,16 @@ def test_seeded_sampled_responses_equal_the_copy_based_path(families):
 
 
 def test_bass_runs_on_segmented_verify_graphs(families):
+    # The windows family: its lane runs rows alone (no pairs_rows), so greedy choices take the segment's rows
+    # (Rows.greedy_exact); a GroupQueryAttention family's greedy requests run on the lane instead.
     from staticlm.runtime.generate.text_stream import GenerationParams
     from staticlm.runtime.model import open_tokenizer
 
-    family = families["gqa"]
+    family = families["windows"]
     ids = open_tokenizer(family).encode("abcabcabcabc abcabc", add_special_tokens=False)
     params = GenerationParams(max_new_tokens=30, ignore_eos=True)  # plain greedy repeats: lookup drafts find matches
     gen, responses = _batch_generate(family, ids, params, segments=True, speculate=True)
-    assert gen.speculator.stats.num_drafted > 0 and gen.engine.counters.num_verify_steps > 0
+    assert gen.greedy_exact and gen.speculator.stats.num_drafted > 0 and gen.engine.counters.num_verify_steps > 0
     assert [r.token_ids for r in responses] == [_single_tokens(family, ids, params)] * 4
 
 
@@ -343,11 +348,13 @@ def test_requests_extending_a_cached_prefix_read_its_segment_in_place(families, 
     # Three prompts: two share a 24-token prefix (a system prompt), the third shares nothing. Submitted together,
     # the first two read the shared prefix's segment in place at once; submitted later, the second joins the first
     # while it decodes alone on the lane. The third waits until the rows are free. Every answer equals its single
-    # run, and no row holds the shared prefix: only what its request adds after it.
+    # run, and no row holds the shared prefix: only what its request adds after it. Sampled and seeded: greedy
+    # requests run on the lane of this family (Rows.greedy_exact); a seeded request draws as its single run does.
     from conftest import model_of
 
     from staticlm.runtime.generate.admission import MIN_SHARED_PREFIX
     from staticlm.runtime.generate.loop import GenerationLoop
+    from staticlm.runtime.generate.sampling import SamplingParams
     from staticlm.runtime.generate.text_stream import GenerationParams
 
     family = families["gqa"]
@@ -356,8 +363,10 @@ def test_requests_extending_a_cached_prefix_read_its_segment_in_place(families, 
     prompts = [shared + [1, *rng.integers(0, 256, 6)], shared + [2, *rng.integers(0, 256, 9)],
                list(rng.integers(0, 256, 12))]
     assert len(shared) >= MIN_SHARED_PREFIX
-    params = GenerationParams(max_new_tokens=24, ignore_eos=True, sampling=_varied_greedy())
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True,
+                              sampling=SamplingParams(temperature=1.0, seed=13, repetition_penalty=10.0))
     want = [_single_tokens(family, ids, params) for ids in prompts]
+    assert len(set(map(tuple, want))) == 3 and all(len(set(w)) > 10 for w in want)  # varied answers
     loop = GenerationLoop(model_of(_engine(family)), rows="segments", eager=True)
     got, seen = _run_requests(loop, prompts, params, submit_after=submit_after)
     assert got == want

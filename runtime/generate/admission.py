@@ -10,6 +10,10 @@ the segment: the lane's first rows, which no prefill may change while a row read
 newcomer's rest after them, and its rows copy just that rest). The segment is chosen when rows start reading it:
 the prefix the first request shares with a waiting one (at least MIN_SHARED_PREFIX tokens), or with the lone
 sequence it joins on the lane, else the whole first prompt (its choices share it).
+
+A greedy request on rows that would not give it the lane's bits (Rows.greedy_exact: the segments kind beside a
+lane that pairs its rows) runs on the lane instead, alone, as one sequence whose answer each of its choices gets
+(greedy choices are the same tokens); a prefix it shares with the lane's last sequence comes from the lane's cache.
 """
 from __future__ import annotations
 
@@ -74,19 +78,32 @@ class Admissions:
             self.pending.append(Admission(request, num_rows))
         return bool(admissible)
 
+    def on_lane(self, request: SequenceRequest) -> bool:
+        """Whether the request runs alone on the lane, its choices mirrored (a greedy one on rows that would not
+        give it the lane's bits, Rows.greedy_exact)."""
+        return self.rows.available and not self.rows.greedy_exact and request.params.sampling.is_greedy
+
     def _admissible_on_segment(self) -> list[tuple[SequenceRequest, int]]:
         """Rows that read one prompt segment: while it is bound, the requests that extend it; else one request, and
-        beside a lone sequence on the lane only one sharing at least MIN_SHARED_PREFIX tokens with it."""
+        beside a lone sequence on the lane only one sharing at least MIN_SHARED_PREFIX tokens with it. A request
+        that runs on the lane (on_lane) starts when nothing else runs, and holds it until it ends."""
         segment, scheduler = self.rows.segment, self.scheduler
-        reading = any(not scheduler.occupant(r).solo for r in scheduler.busy_rows())
+        busy = scheduler.busy_rows()
+        reading = any(not scheduler.occupant(r).solo for r in busy)
         if segment is not None and not reading and not self.pending:
             self.rows.unbind_segment()  # nobody reads it, nobody was admitted against it
             segment = None
+        if any(self.on_lane(scheduler.occupant(r).request) for r in busy):
+            return []
+        head = scheduler.head()
+        if head is not None and self.on_lane(head):
+            return [] if busy or self.pending else scheduler.admissible(max_requests=1)
         if segment is not None:
-            return scheduler.admissible(accepts=lambda r: self.use_cache and extends(r.prompt_ids, segment))
+            return scheduler.admissible(accepts=lambda r: self.use_cache and extends(r.prompt_ids, segment)
+                                        and not self.on_lane(r))
         if self.pending or reading:
             return []  # the segment is chosen when that request's rows start reading it
-        alone = bool(scheduler.busy_rows())  # a lone sequence decodes on the lane
+        alone = bool(busy)  # a lone sequence decodes on the lane
         return scheduler.admissible(max_requests=1, accepts=lambda r: not alone or (
             self.use_cache and shared_prefix(self.lane.tokens, r.prompt_ids) >= MIN_SHARED_PREFIX))
 
@@ -151,10 +168,11 @@ class Admissions:
     def place(self, adm: Admission) -> tuple[list[int], list[RunningSequence]]:
         """The prefilled request's choices take their rows (the lane's KV loaded into them, unless one choice runs
         alone on the lane); returns the rows and their sequences."""
-        request = adm.request
-        seqs = new_sequences(request, tokenizer=self.model.tokenizer, prompt_ids=request.prompt_ids)
-        solo = (adm.num_rows == 1 and not self.scheduler.busy_rows() and not self.pending
-                and not self.scheduler.num_waiting) or not self.rows.available
+        request, on_lane = adm.request, self.on_lane(adm.request)
+        seqs = new_sequences(request, tokenizer=self.model.tokenizer, prompt_ids=request.prompt_ids, mirrored=on_lane)
+        self.scheduler.unreserve(adm.num_rows - len(seqs))  # a mirrored request's other choices take no row
+        solo = on_lane or (adm.num_rows == 1 and not self.scheduler.busy_rows() and not self.pending
+                           and not self.scheduler.num_waiting) or not self.rows.available
         free = self.scheduler.free_rows()
         rows = (self.cache.victims(adm.num_rows, free=free, prefer=adm.source_row) if self.rows.keeps_prefixes
                 else free[:len(seqs)])

@@ -12,7 +12,8 @@ what is placed and finishes it.
 - The **rows** (rows.py) decode the other sequences together, one call per step for all of them: copies of the
   prompt in batch rows (continuous batching, with the prompt cache), or one shared prompt segment read in place
   (a family whose batched graphs are segmented, or `--shared-prompt-kv`). Speculation runs on ragged rows.
-- Greedy is a function of the tokens: the engines never run a row alone (Engine.pairs_rows).
+- Greedy is a function of the tokens: the engines never run a row alone (Engine.pairs_rows), and a greedy request
+  runs on the lane where the rows would not give it the lane's bits (Rows.greedy_exact, admission.py).
 
 `step()` runs on one thread (the engine's); `submit()` may be called from any thread.
 """
@@ -181,8 +182,9 @@ class GenerationLoop:
         return True
 
     def _send(self, seq: RunningSequence, text: str, *, now: float) -> None:
-        seq.request.on_event(Delta(choice=seq.choice, text=text, token_ids=tuple(seq.unsent_ids),
-                                   logprobs=tuple(seq.unsent_logprobs), time=now))
+        token_ids, logprobs = tuple(seq.unsent_ids), tuple(seq.unsent_logprobs)
+        for choice in seq.choices:
+            seq.request.on_event(Delta(choice=choice, text=text, token_ids=token_ids, logprobs=logprobs, time=now))
         seq.unsent_ids.clear()
         seq.unsent_logprobs.clear()
 
@@ -206,8 +208,9 @@ class GenerationLoop:
         else:
             self.cache.forget(row)
         self.scheduler.release(row)
-        seq.request.on_event(Finished(choice=seq.choice, reason=reason or seq.stream.reason, token_ids=tuple(ids),
-                                      text=seq.stream.text, time=now, first_time=seq.stream.first_s))
+        for choice in seq.choices:
+            seq.request.on_event(Finished(choice=choice, reason=reason or seq.stream.reason, token_ids=tuple(ids),
+                                          text=seq.stream.text, time=now, first_time=seq.stream.first_s))
 
     def _fail(self, request: SequenceRequest, error: BaseException) -> int:
         """The request ends with an error: its rows are freed (their KV forgotten); returns how many it held."""

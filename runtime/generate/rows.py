@@ -59,6 +59,15 @@ class Rows:
         return self.kind == "copies"
 
     @property
+    def greedy_exact(self) -> bool:
+        """Whether a greedy row gets here the bits the lane would give it (tests/test_greedy_paths.py). Segmented
+        graphs compute attention with nodes of their own, the prompt segment, the response buffer and the new rows
+        summed apart, where the lane's GroupQueryAttention sums one buffer: the last bits differ, and MatMulNBits'
+        int8 activations carry them into the logits. Where the lane keeps the promise (Engine.pairs_rows), a greedy
+        request therefore runs on the lane instead (admission.py)."""
+        return self.kind != "segments" or not self.model.engine.pairs_rows
+
+    @property
     def shares_segment(self) -> bool:
         """Whether the rows read one prompt segment (a request joins busy rows only if its prompt extends it)."""
         return self.kind == "segments"

@@ -26,6 +26,12 @@ class RunningSequence:
     unsent_ids: list[int] = field(default_factory=list)  # tokens pushed since the last delta
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     solo: bool = False  # decoding on the loop's one-sequence lane (its batch row holds nothing yet)
+    num_mirrors: int = 0  # the choices after this one that get its answer (greedy choices: the same tokens)
+
+    @property
+    def choices(self) -> range:
+        """The request's choices this sequence answers."""
+        return range(self.choice, self.choice + 1 + self.num_mirrors)
 
     @property
     def pending(self) -> int:
@@ -50,14 +56,17 @@ class RunningSequence:
         return self.constraint is None and self.request.num_logprobs is None
 
 
-def new_sequences(request: SequenceRequest, *, tokenizer, prompt_ids: list[int]) -> list[RunningSequence]:
-    """The request's choices; a seeded request's choice c draws from (seed, c), choice 0 from seed itself."""
+def new_sequences(request: SequenceRequest, *, tokenizer, prompt_ids: list[int],
+                  mirrored: bool = False) -> list[RunningSequence]:
+    """The request's choices; a seeded request's choice c draws from (seed, c), choice 0 from seed itself.
+    mirrored: one sequence whose answer every choice gets (a greedy request's choices are the same tokens)."""
     seed = request.params.sampling.seed
+    num = 1 if mirrored else request.num_choices
     return [RunningSequence(request=request, choice=c, stream=TextStream(tokenizer, request.params),
                             rng=np.random.default_rng(seed if seed is None or c == 0 else (seed, c)),
                             constraint=request.constraint() if request.constraint else None,
-                            history=list(prompt_ids))
-            for c in range(request.num_choices)]
+                            history=list(prompt_ids), num_mirrors=request.num_choices - num)
+            for c in range(num)]
 
 
 def choose(seq: RunningSequence, logits: np.ndarray) -> int | None:

@@ -88,6 +88,11 @@ class RowScheduler(Generic[T]):
                     return True
         return False
 
+    def head(self) -> T | None:
+        """The oldest waiting request (the next admitted), None when nobody waits."""
+        with self._lock:
+            return self._waiting[0][0] if self._waiting else None
+
     def waiting(self) -> list[T]:
         with self._lock:
             return [r for r, _ in self._waiting]
