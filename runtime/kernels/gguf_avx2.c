@@ -73,34 +73,37 @@ AVX2 static inline __m256i nibbles32(const uint8_t* p) { /* 16 bytes -> 32 level
 /* Each vector dot takes a tile of up to TILE activation rows: a weight block is unpacked once for all of them. */
 #define INLINE __attribute__((always_inline)) inline
 
-/* Q4_0, Q5_0, Q8_0: signed levels (the unsigned ones less 8 or 16), w = d q; a row's products through
- * maddubs(|q|, x sign(q)); one float multiply per block and row */
+/* Q4_0, Q5_0: unsigned levels q (w = d (q - mid)) dotted as they are, mid times each block's scaled level sum taken
+ * off once per row; Q8_0: signed levels, through maddubs(|q|, x sign(q)); one float multiply per block and row */
 AVX2 static INLINE void dot_signed_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                         int64_t stride, const int type) {
   const int bytes = type == GGML_Q4_0 ? 18 : type == GGML_Q5_0 ? 22 : 34;
+  const float mid = type == GGML_Q4_0 ? 8.0f : type == GGML_Q5_0 ? 16.0f : 0.0f;
   __m256 acc[TILE];
-  for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+  float offsets[TILE];
+  for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), offsets[r] = 0.0f;
   for (int b = 0; b < k / QK_0; b++, w += bytes) {
     __m256i q;
     if (type == GGML_Q8_0) {
       q = _mm256_loadu_si256((const __m256i*)(w + 2));
     } else if (type == GGML_Q4_0) {
-      q = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+      q = nibbles32(w + 2);
     } else {
       uint32_t qh;
       memcpy(&qh, w + 2, 4);
-      const __m256i high = _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16));
-      q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), high), _mm256_set1_epi8(16));
+      q = _mm256_or_si256(nibbles32(w + 6), _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)));
     }
-    const __m256i magnitude = _mm256_sign_epi8(q, q);
+    const __m256i magnitude = type == GGML_Q8_0 ? _mm256_sign_epi8(q, q) : q;
     const float d = _cvtsh_ss(*(const uint16_t*)w);
     for (int r = 0; r < rows; r++) {
-      const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(a[r].q + b * 32)), q);
+      __m256i x = _mm256_loadu_si256((const __m256i*)(a[r].q + b * 32));
+      if (type == GGML_Q8_0) x = _mm256_sign_epi8(x, q);
       const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), _mm256_set1_epi16(1));
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[r].d[b]), _mm256_cvtepi32_ps(s), acc[r]);
+      if (type != GGML_Q8_0) offsets[r] += d * a[r].scaled[b];
     }
   }
-  for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]);
+  for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]) - mid * offsets[r];
 }
 
 /* Q4_1, Q5_1: unsigned levels, w = d q + m per block: the levels dotted as they are, the block's minimum times each
