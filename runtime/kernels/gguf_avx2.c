@@ -107,7 +107,7 @@ AVX2 static INLINE void dot_signed_rows(const uint8_t* w, const ActRow* a, const
 }
 
 /* Q4_1, Q5_1: unsigned levels, w = d q + m per block: the levels dotted as they are, the block's minimum times each
- * row's level sum in float */
+ * row's scaled level sum (ActRow.scaled) */
 AVX2 static INLINE void dot_unsigned_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                           int64_t stride, const int type) {
   const int minimum = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
@@ -128,7 +128,7 @@ AVX2 static INLINE void dot_unsigned_rows(const uint8_t* w, const ActRow* a, con
       const __m256i x = _mm256_loadu_si256((const __m256i*)(a[r].q + b * 32));
       const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[r].d[b]), _mm256_cvtepi32_ps(s), acc[r]);
-      minima[r] += m * a[r].d[b] * (float)(a[r].sums[2 * b] + a[r].sums[2 * b + 1]);
+      minima[r] += m * a[r].scaled[b];
     }
   }
   for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]) + minima[r];
