@@ -145,5 +145,32 @@ def test_the_memory_check_bounds_a_streamed_export_by_its_largest_group_not_the_
     assert deeper.bytes_needed(streamed=True) - three.bytes_needed(streamed=True) == deeper.traces - three.traces
 
 
+def test_a_groups_calibration_runs_only_what_its_calibrated_tensors_need():
+    """calibrate_group's graph (needed_part): the head's MatMul, whose output the family pins, and its table go; the
+    norm before it stays and computes what the whole graph computes."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from staticlm.export.calibration.activations import needed_part
+
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    outs = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, k]) for n, k in (("normed", 4), ("logits", 6))]
+    scale, head = (rng.standard_normal(s).astype(np.float32) for s in ((4,), (4, 6)))
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Mul", ["x", "scale"], ["normed"], name="norm"),
+         helper.make_node("MatMul", ["normed", "lm_head_t"], ["logits"], name="head")], "g", [x], outs,
+        initializer=[numpy_helper.from_array(scale, "scale"), numpy_helper.from_array(head, "lm_head_t")]))
+    part, made = needed_part(model, ["normed"])
+    assert [n.name for n in part.graph.node] == ["norm"] and "logits" not in made
+    assert [i.name for i in part.graph.initializer] == ["scale"]
+    assert [v.name for v in part.graph.output] == ["normed"] and [v.name for v in part.graph.input] == ["x"]
+    feed = {"x": rng.standard_normal((1, 4)).astype(np.float32)}
+    run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["normed"], feed)[0]
+           for m in (model, part)]
+    np.testing.assert_array_equal(run[1], run[0])
+    assert needed_part(model, ["logits"])[0].graph.node[:] == model.graph.node[:]
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))

@@ -10,11 +10,53 @@ import onnx
 from onnx import helper
 
 
-def tensor_values(float_path: Path, names: list[str], feeds: Iterable[dict]) -> Iterator[list[np.ndarray]]:
-    """Run the float graph with the named intermediate tensors as extra outputs; their values for each feed."""
+def cpu_session(path: Path, *, prepack: bool = True):
+    """A CPU EP session over the float graph at path. prepack False: MatMul weights used as the graph holds them
+    (mapped from the weight file), not copied into ORT's packed layout at load: a group's float weights are in
+    memory once, not twice (and not a third time while the copy is made), and a session opens in a fraction of
+    the time. Its results equal the packed session's up to float rounding (another summation order)."""
     import onnxruntime as ort
 
-    model = onnx.load(str(float_path), load_external_data=False)
+    options = ort.SessionOptions()
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def needed_part(model: onnx.ModelProto, wanted: Iterable[str]) -> tuple[onnx.ModelProto, set[str]]:
+    """A copy of model (weights not loaded) with only the nodes the wanted tensors need and the initializers they
+    read (graph inputs kept, so the same feeds fit), and the tensors it still makes; its graph outputs are those of
+    model it still makes. What it computes is what model computes (tests/test_htp_groups.py: a family calibrated
+    on such parts equals the family calibrated whole, byte for byte)."""
+    g = model.graph
+    producer = {o: k for k, n in enumerate(g.node) for o in n.output}
+    kept: set[int] = set()
+    stack = list(wanted)
+    while stack:
+        k = producer.get(stack.pop())
+        if k is not None and k not in kept:
+            kept.add(k)
+            stack.extend(g.node[k].input)
+    nodes = [n for k, n in enumerate(g.node) if k in kept]
+    made = {v.name for v in g.input} | {o for n in nodes for o in n.output}
+    read = {i for n in nodes for i in n.input}
+    part = helper.make_graph(nodes, g.name, list(g.input), [v for v in g.output if v.name in made],
+                             initializer=[i for i in g.initializer if i.name in read], value_info=list(g.value_info))
+    out = helper.make_model(part, opset_imports=list(model.opset_import), producer_name=model.producer_name)
+    out.ir_version = model.ir_version
+    return out, made | {i.name for i in part.initializer}
+
+
+def tensor_values(float_path: Path, names: list[str], feeds: Iterable[dict], *,
+                  model: onnx.ModelProto | None = None) -> Iterator[list[np.ndarray]]:
+    """Run the float graph with the named intermediate tensors as extra outputs; their values for each feed.
+    model: the graph to run instead of float_path's own (needed_part's; saved beside float_path)."""
+    import onnxruntime as ort
+
+    if model is None:
+        model = onnx.load(str(float_path), load_external_data=False)
+    else:
+        model = onnx.ModelProto.FromString(model.SerializeToString())  # the caller's stays as it is
     present = {o.name for o in model.graph.output}
     model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in present)
     path = float_path.with_name(f"{float_path.stem}.tensors.onnx")  # next to it: weights.bin resolves

@@ -26,6 +26,7 @@ from staticlm.kv_manager.mask import MASK_VALUE
 from staticlm.runtime.family.contract import KV_OUTPUT_ROLES, kv_tensor_index
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest
 
+from .activations import cpu_session
 from .groups import MAX_GROUP_BYTES, release_memory, split_template
 from .traces import StepFeeds, Traces, TraceStep, window_rows
 
@@ -69,15 +70,13 @@ def _sweep(ladder: list[_GroupedGraph], jobs: list[tuple[_Sequence, int, int]], 
     of the ladder that holds its rows (as the Engine picks). Within a group the graphs run smallest window first, so
     a sequence's rows still run in order (a later row reads an earlier one's KV: a sequence only grows into larger
     windows). on_logits(sequence, first row, logits [rows, V]) with the last group's."""
-    import onnxruntime as ort
-
     graph_of = [next(g for g in ladder if g.fits(start, count)) for _seq, start, count in jobs]
     used = [g for g in ladder if g in graph_of]
     hidden: list[np.ndarray | None] = [None] * len(jobs)
     for k in range(len(used[0].groups) if used else 0):
         for graph in used:
             group = graph.groups[k]
-            session = ort.InferenceSession(str(group.path), providers=["CPUExecutionProvider"])
+            session = cpu_session(group.path, prepack=False)  # made again every sweep: see cpu_session
             wanted = {v.name for v in group.proto.graph.input}
             outputs = [o.name for o in group.proto.graph.output]
             for i, (seq, start, count) in enumerate(jobs):
@@ -103,7 +102,7 @@ class _Ranges:
         self.logits_min, self.logits_max = np.inf, -np.inf
 
     def logits(self, seq: _Sequence, start: int, rows: np.ndarray) -> None:
-        seq.logits = rows[-1]
+        seq.logits = rows[-1].copy()  # a view would keep the run's whole [1, AR, V] logits alive with the sequence
         for i, row in enumerate(rows):
             if start + i in seq.run_ends:
                 self.logits_min = min(self.logits_min, float(row.min()))

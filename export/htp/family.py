@@ -198,7 +198,7 @@ class _Template:
     proto: onnx.ModelProto  # quantized, integer boundary, weights in the family's file
     float_proto: onnx.ModelProto  # the float graph it was made from (no weights loaded)
     ranges: Ranges  # the activation ranges it was calibrated with
-    pinned: frozenset[str]  # tensors whose parameters are the family's (boundary, through data movement)
+    pinned: dict[str, TensorQuant]  # tensors whose parameters are the family's (boundary, through data movement)
     groups: tuple[Group, ...] = ()  # its float layer groups (groups.py); none: quantized whole
 
 
@@ -251,7 +251,7 @@ def _quantized_template(float_dir: Path, fm: Manifest, *, work: Path, steps, fq:
         shared.absorb(proto)
         drop_pages()  # the source's grids this group read
 
-    through = frozenset(through_data_movement(float_dir / entry.file, pinned))
+    through = through_data_movement(float_dir / entry.file, pinned)
     if quant.max_group_bytes is None:
         qpath = work / "q" / entry.file
         qpath.parent.mkdir()
@@ -277,12 +277,12 @@ def _sink_template(template: _Template, float_dir: Path, fm: Manifest, steps, *,
     names = sorted(template.ranges)
     if template.groups:
         feeds = _step_feeds(fm, fq=fq, config=config)
-        ranges = group_ranges(list(template.groups), lambda: feeds.iterate(steps), names)
+        ranges = group_ranges(list(template.groups), lambda: feeds.iterate(steps), names, fixed=template.pinned)
     else:
         ranges = calibrated_ranges(float_dir / template_entry(fm.graphs).file,
                                    _step_reader(fm, steps, fq=fq, config=config), names)
-    proto = signed_matmul_operands(recalibrated(template.proto, calibrated=template.ranges, ranges=ranges,
-                                                pinned=template.pinned))  # int16 copies follow the new ranges
+    proto = recalibrated(template.proto, calibrated=template.ranges, ranges=ranges, pinned=frozenset(template.pinned))
+    proto = signed_matmul_operands(proto)  # int16 copies follow the new ranges
     return dataclasses.replace(template, proto=proto, ranges=ranges)
 
 

@@ -16,13 +16,13 @@ the whole template makes (tests/test_htp_groups.py compares the two).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from staticlm.export.calibration.activations import tensor_values
+from staticlm.export.calibration.activations import needed_part, tensor_values
 from staticlm.export.calibration.groups import Group, release_memory
 from staticlm.runtime.family.quant_params import TensorQuant
 
@@ -34,6 +34,7 @@ from .qdq import (
     signed_matmul_operands,
     strip_boundary,
     tensors_to_calibrate,
+    through_data_movement,
 )
 from .tables import WriteTable, fill_tables, large_tables, with_stand_ins
 
@@ -41,10 +42,20 @@ Q_INPUT, Q_NODE, DQ_NODE = "_QuantizeLinear_Input", "_QuantizeLinear", "_Dequant
 
 
 def calibrate_group(group: Group, feeds: Iterable[dict[str, np.ndarray]], hidden: list[np.ndarray] | None,
-                    names: list[str]) -> tuple[Ranges, list[np.ndarray]]:
+                    names: list[str], *, fixed: Mapping[str, TensorQuant]) -> tuple[Ranges, list[np.ndarray]]:
     """The group run on each step's feeds (its residual input: hidden, one array a step from the group before):
-    the widened MinMax ranges of names, and its residual output a step (empty for the last group)."""
+    the widened MinMax ranges of names, and its residual output a step (empty for the last group).
+
+    fixed: tensors whose parameters are set, not calibrated (the pinned ones, through data movement). The nodes
+    only they need do not run (needed_part): the head's MatMul, whose output is the pinned logits, and with it the
+    head's table, which the session would otherwise hold twice (its float32 weights and ORT's packed copy). Their
+    ranges are the ones their parameters cover: the quantizer reads a pinned tensor's parameters, not its range
+    (and recalibrated() leaves pinned tensors alone)."""
     wanted = {v.name for v in group.proto.graph.input} - {group.hidden_in}
+    calibrated = [n for n in names if n not in fixed] + ([group.hidden_out] if group.hidden_out else [])
+    part, made = needed_part(group.proto, calibrated)
+    skipped = [n for n in names if n not in made]  # all fixed: every other name is needed
+    names = [n for n in names if n in made]
     outputs = names + ([group.hidden_out] if group.hidden_out and group.hidden_out not in names else [])
 
     def own_feeds() -> Iterator[dict[str, np.ndarray]]:
@@ -55,20 +66,28 @@ def calibrate_group(group: Group, feeds: Iterable[dict[str, np.ndarray]], hidden
             yield mine
 
     minmax, out = RangeMinMax(names), []
-    for values in tensor_values(group.path, outputs, own_feeds()):
+    for values in tensor_values(group.path, outputs, own_feeds(), model=part):
         minmax.add(values[:len(names)])
         if group.hidden_out is not None:
             out.append(values[outputs.index(group.hidden_out)])
-    return minmax.ranges(), out
+    return {**{n: _covered(fixed[n]) for n in skipped}, **minmax.ranges()}, out
 
 
-def group_ranges(groups: list[Group], feeds: Callable[[], Iterable[dict]], names: list[str]) -> Ranges:
-    """The ranges of names over the steps, the template's calibration one group at a time (the sink's)."""
+def _covered(t: TensorQuant) -> tuple[np.ndarray, np.ndarray]:
+    info = np.iinfo(np.dtype(t.dtype))
+    return (np.array((info.min - t.zero_point) * t.scale, np.float32),
+            np.array((info.max - t.zero_point) * t.scale, np.float32))
+
+
+def group_ranges(groups: list[Group], feeds: Callable[[], Iterable[dict]], names: list[str], *,
+                 fixed: Mapping[str, TensorQuant]) -> Ranges:
+    """The ranges of names over the steps, the template's calibration one group at a time (the sink's); fixed: as
+    calibrate_group's."""
     ranges: Ranges = {}
     hidden = None
     for group in groups:
         own = _own_names(group, names)
-        got, hidden = calibrate_group(group, feeds(), hidden, own)
+        got, hidden = calibrate_group(group, feeds(), hidden, own, fixed=fixed)
         ranges.update(got)
         release_memory()
     return ranges
@@ -102,7 +121,8 @@ def quantize_groups(groups: list[Group], feeds: Callable[[], Iterable[dict]], *,
             onnx.save_model(with_stand_ins(group.proto, tables, weights), source)
         config = qdq_config(source, quant=quant, pinned=own_pinned, weight_overrides=overrides)
         names = tensors_to_calibrate(group.proto, config.op_types_to_quantize)
-        got, hidden = calibrate_group(group, feeds(), hidden, names)
+        fixed = through_data_movement(group.path, own_pinned)  # as qdq_config pins them
+        got, hidden = calibrate_group(group, feeds(), hidden, names, fixed=fixed)
         ranges.update(got)
         release_memory()
         qdir = work / f"group{k}"

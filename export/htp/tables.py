@@ -32,10 +32,16 @@ class Table:
     per_column: bool  # parameters per column (axis 1), else per tensor
 
     def rows(self, weights: Path) -> Iterator[np.ndarray]:
-        """[BLOCK_ROWS, columns] float32 blocks of the table, read from the weight file."""
-        table = np.memmap(weights, np.float32, mode="r", offset=self.offset, shape=self.shape)
-        for a in range(0, self.shape[0], BLOCK_ROWS):
-            yield np.array(table[a:a + BLOCK_ROWS])
+        """[BLOCK_ROWS, columns] float32 blocks of the table, read from the weight file (read, not mapped: a mapped
+        table's pages would stay in the process until the last block, the whole table by then)."""
+        num_rows, num_columns = self.shape
+        with open(weights, "rb") as f:
+            f.seek(self.offset)
+            for a in range(0, num_rows, BLOCK_ROWS):
+                block = np.empty((min(BLOCK_ROWS, num_rows - a), num_columns), np.float32)
+                if f.readinto(memoryview(block).cast("B")) != block.nbytes:
+                    raise ValueError(f"{weights}: the table {self.name} ends early")
+                yield block
 
 
 def large_tables(model: onnx.ModelProto, overrides: dict[str, list[dict]], *,
