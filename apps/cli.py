@@ -12,13 +12,12 @@ import sys
 from enum import Enum
 from pathlib import Path
 
-from staticlm.apps.interrupt import Interrupted
+from staticlm.apps.interrupt import EXIT_INTERRUPTED, Interrupted
 from staticlm.apps.serve.options import REASONING_FORMATS, ServeOptions
 from staticlm.errors import UserError
 from staticlm.runtime.options import RunOptions, flag, run_option_fields, spec, value_type
 
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
 METAVARS = {int: "N", float: "X", Path: "DIR"}
 
 

@@ -5,6 +5,8 @@ import signal
 import threading
 from contextlib import contextmanager
 
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
 
 class StopFlag:
     def __init__(self) -> None:

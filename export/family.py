@@ -147,6 +147,17 @@ def clean_stale_staging(out_dir: str | Path) -> list[Path]:
     return removed
 
 
+def remove_own_staging(out_dir: str | Path) -> list[Path]:
+    """Remove the scratch directories this process made for out_dir's export (an export abandoned mid-way, whose
+    own cleanup cannot run). Returns what it removed."""
+    out_dir = Path(out_dir)
+    removed = []
+    for path in out_dir.parent.glob(f"{glob.escape(f'.{out_dir.name}.{STAGING_TAG}.{os.getpid()}.')}*"):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 @contextmanager
 def staged_family(out_dir: str | Path) -> Iterator[Path]:
     """A scratch directory beside out_dir that replaces out_dir only when the block ends without an error: a failed

@@ -133,3 +133,27 @@ def test_ctrl_c_mid_generation(smollm2_small_family):
     assert first
     assert proc.returncode == 130
     assert "Traceback" not in err and "interrupted" in err
+
+
+def test_ctrl_c_mid_export_ends_at_once_and_leaves_the_output_as_it_was(tiny_hf_dir, tiny_family, tmp_path):
+    """SIGINT while the export runs (a w8a16 family being calibrated): exit 130 with one line, within seconds
+    even where the export sits in a native call, the existing output untouched, no scratch left beside it."""
+    out = tmp_path / "family"
+    shutil.copytree(tiny_family, out)
+    before = file_sha256(out / "manifest.json")
+    proc = subprocess.Popen([sys.executable, "-m", "staticlm.apps.cli", "export", "--model", str(tiny_hf_dir),
+                             "--target", "htp", "--quant", "w8a16", "--calib-steps", "2", "--context", "128,256",
+                             "--out", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".family.staging.*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the export ended before it could be interrupted"
+    time.sleep(0.5)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - sent < 10
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err, err
+    assert file_sha256(out / "manifest.json") == before
+    assert not list(tmp_path.glob(".family.staging.*"))
