@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,50 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 TINY_CONTEXTS = (32, 64)
 TINY_PREFILL = 8
+
+
+# -- pytest-xdist (`make test` runs one worker per core) ---------------------------------------------------------
+def _threads_per_worker() -> int:
+    """The CPU threads a test's session may use: the cores shared by the running workers (2 at most, what the
+    tests ran on before xdist). More threads than cores make ORT's spinning pools wait on threads that are not
+    running."""
+    from staticlm.runtime.session.device import physical_cores
+
+    return max(1, min(2, physical_cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+THREADS = _threads_per_worker()
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Sessions opened with the default thread count (physical cores) and torch's references get the worker's
+    # share too; the environment reaches the CLI and server subprocesses' torch and BLAS.
+    import staticlm.runtime.session.device as _device
+
+    _cores_per_worker = max(1, _device.physical_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _device.physical_cores = lambda: _cores_per_worker
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_name, str(_cores_per_worker))
+
+# Files that share an expensive session fixture run on one worker (each worker builds the session fixtures its
+# tests use); every other file is a group of its own, so its module fixtures are built once. The heavy groups
+# are listed first: `make test` passes --no-loadscope-reorder, so groups are handed out in collection order.
+XDIST_GROUPS = {
+    "smollm2": ("test_cli_errors.py", "test_export_parity.py", "test_first_run.py", "test_readme.py",
+                "test_runtime.py", "test_sources.py", "test_speculative.py"),  # smollm2_family, _small_, _hf_model
+    "smollm2_cpu": ("test_cpu_target.py", "test_greedy_paths.py"),  # smollm2_cpu_family
+}
+HEAVY_FIRST = ("smollm2", "test_htp", "smollm2_cpu", "test_segment_htp")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    group_of = {f: group for group, files in XDIST_GROUPS.items() for f in files}
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group_of.get(item.path.name, item.path.stem)))
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+        group = {item: item.get_closest_marker("xdist_group").args[0] for item in items}
+        items.sort(key=lambda item: rank.get(group[item], len(rank)))  # stable: the file order within a rank
 
 
 def graph_path(family: Path, kind: str, *, ar: int, batch: int = 1) -> Path:
