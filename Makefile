@@ -47,9 +47,9 @@ generate: $(STAMP) $(KERNELS)
 export: $(STAMP) $(KERNELS)
 	$(BIN)/staticlm export
 
-# One pytest-xdist worker per core; tests/conftest.py groups the files that share an expensive fixture onto one
-# worker (--dist loadgroup) and hands out the heaviest groups first (--no-loadscope-reorder).
-PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder
+# One pytest-xdist worker per core, a file at a time (tests/conftest.py keeps the files that share an expensive
+# fixture together) and the heaviest first (--no-loadscope-reorder).
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP) $(KERNELS) xvfb
 	$(BIN)/ruff check .

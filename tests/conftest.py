@@ -38,27 +38,41 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(_name, str(_cores_per_worker))
 
-# Files that share an expensive session fixture run on one worker (each worker builds the session fixtures its
-# tests use); every other file is a group of its own, so its module fixtures are built once. The heavy groups
-# are listed first: `make test` passes --no-loadscope-reorder, so groups are handed out in collection order.
-XDIST_GROUPS = {
+# `--dist loadfile`, with the files that share an expensive session fixture as one unit: each worker builds the
+# session fixtures its tests use, so those files run on one worker and it builds the fixture once. (Not xdist_group
+# marks: with pytest 9, xdist 3.8's worker hook that reads them is not registered, and --dist loadgroup splits
+# every file.) The heaviest units go first: `make test` passes --no-loadscope-reorder, so units are handed out in
+# the order the workers collect them.
+FILE_GROUPS = {
     "smollm2": ("test_cli_errors.py", "test_export_parity.py", "test_first_run.py", "test_readme.py",
                 "test_runtime.py", "test_sources.py", "test_speculative.py"),  # smollm2_family, _small_, _hf_model
     "smollm2_cpu": ("test_cpu_target.py", "test_greedy_paths.py"),  # smollm2_cpu_family
 }
-HEAVY_FIRST = ("smollm2", "test_htp", "smollm2_cpu", "test_segment_htp")
+HEAVY_FIRST = ("smollm2", "test_htp.py", "smollm2_cpu", "test_segment_htp.py")
+_GROUP_OF = {name: group for group, names in FILE_GROUPS.items() for name in names}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def _unit(nodeid: str) -> str:
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return _GROUP_OF.get(name, name)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return FileGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    group_of = {f: group for group, files in XDIST_GROUPS.items() for f in files}
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group_of.get(item.path.name, item.path.stem)))
     if "PYTEST_XDIST_WORKER" in os.environ:
-        rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-        group = {item: item.get_closest_marker("xdist_group").args[0] for item in items}
-        items.sort(key=lambda item: rank.get(group[item], len(rank)))  # stable: the file order within a rank
+        rank = {unit: i for i, unit in enumerate(HEAVY_FIRST)}
+        items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable: file order within a rank
 
 
 def graph_path(family: Path, kind: str, *, ar: int, batch: int = 1) -> Path:
