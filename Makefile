@@ -47,13 +47,17 @@ generate: $(STAMP) $(KERNELS)
 export: $(STAMP) $(KERNELS)
 	$(BIN)/staticlm export
 
+# One pytest-xdist worker per core, a file at a time (tests/conftest.py keeps the files that share an expensive
+# fixture together) and the heaviest first (--no-loadscope-reorder).
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP) $(KERNELS) xvfb
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP) $(KERNELS)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,64 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 TINY_CONTEXTS = (32, 64)
 TINY_PREFILL = 8
+
+
+# -- pytest-xdist (`make test` runs one worker per core) ---------------------------------------------------------
+def _threads_per_worker() -> int:
+    """The CPU threads a test's session may use: the cores shared by the running workers (2 at most, what the
+    tests ran on before xdist). More threads than cores make ORT's spinning pools wait on threads that are not
+    running."""
+    from staticlm.runtime.session.device import physical_cores
+
+    return max(1, min(2, physical_cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+THREADS = _threads_per_worker()
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Sessions opened with the default thread count (physical cores) and torch's references get the worker's
+    # share too; the environment reaches the CLI and server subprocesses' torch and BLAS.
+    import staticlm.runtime.session.device as _device
+
+    _cores_per_worker = max(1, _device.physical_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _device.physical_cores = lambda: _cores_per_worker
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_name, str(_cores_per_worker))
+
+# `--dist loadfile`, with the files that share an expensive session fixture as one unit: each worker builds the
+# session fixtures its tests use, so those files run on one worker and it builds the fixture once. (Not xdist_group
+# marks: with pytest 9, xdist 3.8's worker hook that reads them is not registered, and --dist loadgroup splits
+# every file.) The heaviest units go first: `make test` passes --no-loadscope-reorder, so units are handed out in
+# the order the workers collect them.
+FILE_GROUPS = {
+    "smollm2": ("test_cli_errors.py", "test_export_parity.py", "test_first_run.py", "test_readme.py",
+                "test_runtime.py", "test_sources.py", "test_speculative.py"),  # smollm2_family, _small_, _hf_model
+    "smollm2_cpu": ("test_cpu_target.py", "test_greedy_paths.py"),  # smollm2_cpu_family
+}
+HEAVY_FIRST = ("smollm2", "test_htp.py", "smollm2_cpu", "test_segment_htp.py")
+_GROUP_OF = {name: group for group, names in FILE_GROUPS.items() for name in names}
+
+
+def _unit(nodeid: str) -> str:
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return _GROUP_OF.get(name, name)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return FileGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        rank = {unit: i for i, unit in enumerate(HEAVY_FIRST)}
+        items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable: file order within a rank
 
 
 def graph_path(family: Path, kind: str, *, ar: int, batch: int = 1) -> Path:

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from conftest import THREADS
 
 from staticlm.apps.bench.serve_process import free_port, serve_command  # noqa: F401 - the tests import them from here
 from staticlm.apps.bench.serve_process import running_server as bench_server
@@ -15,8 +16,8 @@ STARTUP_S = 60
 
 @contextmanager
 def running_server(model_dir: Path, *args: str):
-    """Yields the base URL (http://127.0.0.1:PORT); the server is stopped after (the bench's starter, 2 threads)."""
-    with bench_server(model_dir, *args, threads=2, startup_s=STARTUP_S) as base:
+    """Yields the base URL (http://127.0.0.1:PORT); the server is stopped after (the bench's starter, THREADS)."""
+    with bench_server(model_dir, *args, threads=THREADS, startup_s=STARTUP_S) as base:
         yield base
 
 
@@ -37,7 +38,7 @@ def wait_idle(base: str, *, timeout: float = 5.0) -> dict:
 @contextmanager
 def logged_server(model_dir: Path, log: Path, *args: str):
     """Like running_server, with the server's output written to `log` (for tests of what it logs)."""
-    with bench_server(model_dir, *args, threads=2, startup_s=STARTUP_S, log=log) as base:
+    with bench_server(model_dir, *args, threads=THREADS, startup_s=STARTUP_S, log=log) as base:
         yield base
 
 

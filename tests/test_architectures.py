@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import tiny_archs
+from conftest import THREADS
 from reference import hf_greedy, hf_step
 
 CONTEXTS, PREFILL = (64, 128), 8
@@ -77,7 +78,7 @@ def _engine(family):
     from staticlm.runtime.engine.engine import Engine, EngineOptions
     from staticlm.runtime.session.device import Device, DeviceOptions
 
-    return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2)))
+    return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=THREADS)))
 
 
 def _greedy(family, n: int) -> list[int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
+from conftest import THREADS, TINY_CONTEXTS, TINY_PREFILL, graph_path
 from reference import graph_feeds, hf_step
 
 MS = "com.microsoft"
@@ -55,7 +55,7 @@ def engine(family: Path):
     from staticlm.runtime.engine.engine import Engine, EngineOptions
     from staticlm.runtime.session.device import Device, DeviceOptions
 
-    return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2)))
+    return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=THREADS)))
 
 
 # -- structure -------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import THREADS
 from reference import cache_kv, graph_feeds, hf_step
 
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
@@ -15,7 +16,7 @@ KV_RTOL = 1e-4
 
 def _session(path):
     so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
+    so.intra_op_num_threads = THREADS
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 

@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import model_of
+from conftest import THREADS, model_of
 
 from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.generate.sampling import SamplingParams
@@ -30,7 +30,7 @@ NUM_PROMPTS = 6
 
 
 def _model(family, **engine):
-    cpu = DeviceOptions(device=Device.CPU, num_threads=2)
+    cpu = DeviceOptions(device=Device.CPU, num_threads=THREADS)
     return model_of(Engine(family, options=EngineOptions(device=cpu, **engine)))
 
 
@@ -120,7 +120,7 @@ def _segments_model(family):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
 
-    cpu = DeviceOptions(device=Device.CPU, num_threads=2)
+    cpu = DeviceOptions(device=Device.CPU, num_threads=THREADS)
     return Model(Engine(family, options=EngineOptions(device=cpu)), options=RunOptions(shared_prompt_kv=True))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import TINY_CONTEXTS, TINY_PREFILL
+from conftest import THREADS, TINY_CONTEXTS, TINY_PREFILL
 from onnx import helper, numpy_helper
 from test_cli_errors import assert_one_line_error, staticlm
 
@@ -21,7 +21,7 @@ from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.family.quant_params import KVBits, Quant
 from staticlm.runtime.session.device import Device, DeviceOptions
 
-CPU = DeviceOptions(device=Device.CPU, num_threads=2)
+CPU = DeviceOptions(device=Device.CPU, num_threads=THREADS)
 HTP = DeviceOptions(device=Device.HTP)
 TEXT = b"Every winter the harbour town grows quiet; the ferries run less."  # 56 bytes: fits context 64
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_CONTEXTS, TINY_PREFILL
+from conftest import THREADS, TINY_CONTEXTS, TINY_PREFILL
 from test_cli_errors import assert_one_line_error, staticlm
 
 from staticlm.export.family import ExportError, ExportOptions
@@ -26,7 +26,7 @@ from staticlm.runtime.family.quant_params import Quant
 from staticlm.runtime.family.weights import external_bytes
 from staticlm.runtime.session.device import DeviceOptions
 
-CPU = DeviceOptions(device="cpu", num_threads=2)
+CPU = DeviceOptions(device="cpu", num_threads=THREADS)
 PROMPT = np.random.default_rng(3).integers(0, 256, 21)
 
 

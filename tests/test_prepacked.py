@@ -8,13 +8,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
+from conftest import THREADS, TINY_CONTEXTS, TINY_PREFILL, graph_path
 
 from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.session.device import Device, DeviceOptions
 from staticlm.runtime.session.prepacked import PACKED_FILE, packed_bytes, store_dir
 
-CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
+CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=THREADS))
 
 
 def _export(hf_dir: Path, out: Path, **cpu_kw) -> Path:

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import model_of
+from conftest import THREADS, model_of
 from reference import hf_greedy
 
 from staticlm.kv_manager import Strategy
@@ -17,7 +17,7 @@ from staticlm.runtime.model import Model, open_tokenizer
 from staticlm.runtime.options import RunOptions
 from staticlm.runtime.session.device import Device, DeviceOptions
 
-CPU = DeviceOptions(device=Device.CPU, num_threads=2)
+CPU = DeviceOptions(device=Device.CPU, num_threads=THREADS)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 WINDOW_STRATEGIES = [s for s in Strategy if s is not Strategy.IN_PLACE]  # in_place needs GQA graphs (test_cpu_target)
 STRATEGY_CASES = [(s, 2.0) for s in WINDOW_STRATEGIES] + [(Strategy.POINTER, 1.5), (Strategy.SHIFT, 1.5)]

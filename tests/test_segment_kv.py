@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_CONTEXTS, TINY_PREFILL
+from conftest import THREADS, TINY_CONTEXTS, TINY_PREFILL
 
 from staticlm.kv_manager import KVSpec, make_kv_cache
 from staticlm.kv_manager.segments import ResponseCache, SegmentKV, copied_kv_rows, segment_kv_rows, token_bytes
@@ -127,7 +127,7 @@ def _engine(family: Path):
     from staticlm.runtime.engine.engine import Engine, EngineOptions
     from staticlm.runtime.session.device import Device, DeviceOptions
 
-    return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2)))
+    return Engine(family, options=EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=THREADS)))
 
 
 @pytest.mark.parametrize("name", ["gqa", "windows", "gqa-float16"])

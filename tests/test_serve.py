@@ -14,6 +14,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from conftest import THREADS
 from serve_helpers import free_port, health, running_server, serve_command, wait_idle
 
 openai = pytest.importorskip("openai")
@@ -44,7 +45,7 @@ def reference(tiny_chat_family):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
 
-    return Model.open(tiny_chat_family, RunOptions(device="cpu", num_threads=2))
+    return Model.open(tiny_chat_family, RunOptions(device="cpu", num_threads=THREADS))
 
 
 def greedy_reference(model, ids: list[int], max_new: int, **params):

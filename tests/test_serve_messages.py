@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+from conftest import THREADS
 from serve_helpers import running_server
 
 anthropic = pytest.importorskip("anthropic")
@@ -40,7 +41,7 @@ def reference(tiny_chat_family):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
 
-    return Model.open(tiny_chat_family, RunOptions(device="cpu", num_threads=2))
+    return Model.open(tiny_chat_family, RunOptions(device="cpu", num_threads=THREADS))
 
 
 def _greedy_text(model, text: str, system: str | None = None) -> str:

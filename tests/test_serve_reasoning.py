@@ -7,6 +7,7 @@ import json
 import subprocess
 
 import pytest
+from conftest import THREADS
 from serve_helpers import running_server, serve_command
 
 openai = pytest.importorskip("openai")
@@ -72,7 +73,7 @@ def reference(thinking_family):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
 
-    return Model.open(thinking_family, RunOptions(device="cpu", num_threads=2))
+    return Model.open(thinking_family, RunOptions(device="cpu", num_threads=THREADS))
 
 
 def _prompt(model, text: str, **template_kwargs) -> list[int]:

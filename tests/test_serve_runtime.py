@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import THREADS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -116,7 +117,7 @@ def _open(family: Path):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
 
-    return Model.open(family, RunOptions(device="cpu", num_threads=2))
+    return Model.open(family, RunOptions(device="cpu", num_threads=THREADS))
 
 
 @pytest.mark.parametrize("layout", ["windows", "in_place"])
@@ -271,7 +272,7 @@ def test_a_decode_step_checks_a_looked_up_guess_in_the_row_beside_its_token(in_p
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
 
-    paired, lone = _open(in_place_family), Model.open(in_place_family, RunOptions(device="cpu", num_threads=2,
+    paired, lone = _open(in_place_family), Model.open(in_place_family, RunOptions(device="cpu", num_threads=THREADS,
                                                                                   lone_rows=True))
     assert paired.engine.pairs_rows and not lone.engine.pairs_rows and lone.generator.speculator is None
     ids = paired.tokenizer.encode("abcabcabcabc abcabc", add_special_tokens=False)  # repeats: lookup finds guesses

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import build_tiny_hf, export_in_place
+from conftest import THREADS, build_tiny_hf, export_in_place
 
 PARAMS_KW = {"max_new_tokens": 10, "ignore_eos": True}
 TEXTS = ("abcabc abd zz top " * 4, "The cat sat on the mat. " * 3, "q r s t u v w x y z " * 3)
@@ -19,7 +19,7 @@ def _open(family: Path):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
 
-    return Model.open(family, RunOptions(device="cpu", num_threads=2))
+    return Model.open(family, RunOptions(device="cpu", num_threads=THREADS))
 
 
 def _store(model, directory: Path, **kw):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import model_of
+from conftest import THREADS, model_of
 from reference import hf_greedy
 
 from staticlm.runtime.engine.engine import Engine, EngineOptions
@@ -16,7 +16,7 @@ from staticlm.runtime.speculative.drafters import DraftModelDrafter, PromptLooku
 from staticlm.runtime.speculative.speculation_policy import DraftLength, SpeculationPolicy
 from staticlm.runtime.speculative.speculative import Speculator
 
-CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
+CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=THREADS))
 REWRITE = ("Copy this sentence exactly, then copy it again: the quick brown fox jumps over the lazy dog "
            "while the quick brown fox jumps over the lazy dog.")
 

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import CHATML, TINY_SPECIALS, tiny_tokenizer_json
+from conftest import CHATML, THREADS, TINY_SPECIALS, tiny_tokenizer_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -240,7 +240,7 @@ def test_tiny_single_and_batched_generation_show_the_same_text(tiny_chat_family)
     from staticlm.runtime.model import open_tokenizer
     from staticlm.runtime.session.device import Device, DeviceOptions
 
-    cpu = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=2))
+    cpu = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=THREADS))
     tokenizer = open_tokenizer(tiny_chat_family)
     prompt = tokenizer.encode("abcabc abc", add_special_tokens=False)
     single = model_of(Engine(tiny_chat_family, options=cpu))
