@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,12 +26,15 @@ def health(base: str) -> dict:
     return httpx.get(f"{base}/health", timeout=5).json()
 
 
-def wait_idle(base: str, *, timeout: float = 5.0) -> dict:
-    """/health once no row decodes and nothing waits (or the last one seen at the timeout)."""
+def wait_idle(base: str, *, timeout: float = 5.0, until: Callable[[dict], bool] = lambda _h: True) -> dict:
+    """/health once no row decodes, nothing is being admitted (a prompt prefilling holds no row yet), nothing waits
+    and until(health) holds (or the last one seen at the timeout): a request the client left may not have reached
+    the engine yet when the client is gone."""
     deadline = time.monotonic() + timeout
     while True:
         h = health(base)
-        if (h["rows_in_use"] == 0 and h["waiting"] == 0) or time.monotonic() > deadline:
+        idle = h["rows_in_use"] == 0 and h["admitting"] == 0 and h["waiting"] == 0
+        if (idle and until(h)) or time.monotonic() > deadline:
             return h
         time.sleep(0.02)
 

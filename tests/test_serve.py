@@ -312,7 +312,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(server, model_id):
     with httpx.Client(timeout=30) as http, http.stream("POST", f"{server}/v1/chat/completions",
                                                        json={**LONG, "model": model_id, "stream": True}) as r:
         assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
-    idle = wait_idle(server, timeout=5)
+    idle = wait_idle(server, timeout=5, until=lambda h: h["cancelled"] > before["cancelled"])
     assert idle["rows_in_use"] == 0 and idle["cancelled"] - before["cancelled"] == 4
     assert idle["decode_steps"] - before["decode_steps"] < 450  # it stopped before its 450 tokens
     ok = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
@@ -323,7 +323,7 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_its_row(server, m
     before = health(server)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server}/v1/chat/completions", json={**LONG, "model": model_id}, timeout=0.05)
-    idle = wait_idle(server, timeout=5)
+    idle = wait_idle(server, timeout=5, until=lambda h: h["cancelled"] > before["cancelled"])
     assert idle["rows_in_use"] == 0 and idle["cancelled"] - before["cancelled"] == 4
 
 
