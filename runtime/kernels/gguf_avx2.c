@@ -110,9 +110,8 @@ AVX2 static INLINE void dot_signed_rows(const uint8_t* w, const ActRow* a, const
  * row's scaled level sum (ActRow.scaled) */
 AVX2 static INLINE void dot_unsigned_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                           int64_t stride, const int type) {
-  const int minimum = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
-  const int head = 2 + 2 * minimum + 4 * five, bytes = head + 16; /* d, [m], [qh], then the nibbles */
-  const float mid = type == GGML_Q4_0 ? 8.0f : 16.0f;
+  const int five = type == GGML_Q5_1;
+  const int head = 4 + 4 * five, bytes = head + 16; /* d, m, [qh], then the nibbles */
   __m256 acc[TILE];
   float minima[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), minima[r] = 0.0f;
@@ -120,10 +119,10 @@ AVX2 static INLINE void dot_unsigned_rows(const uint8_t* w, const ActRow* a, con
     __m256i q = nibbles32(w + head);
     if (five) {
       uint32_t qh;
-      memcpy(&qh, w + 2 + 2 * minimum, 4);
+      memcpy(&qh, w + 4, 4);
       q = _mm256_or_si256(q, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)));
     }
-    const float d = _cvtsh_ss(*(const uint16_t*)w), m = minimum ? _cvtsh_ss(*(const uint16_t*)(w + 2)) : -mid * d;
+    const float d = _cvtsh_ss(*(const uint16_t*)w), m = _cvtsh_ss(*(const uint16_t*)(w + 2));
     for (int r = 0; r < rows; r++) {
       const __m256i x = _mm256_loadu_si256((const __m256i*)(a[r].q + b * 32));
       const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
