@@ -71,17 +71,20 @@ def weights(qtype: T, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matmul_equals_ggufs_dequantization_times_the_quantized_activations(qtype, portable, monkeypatch):
     monkeypatch.setenv("STATICLM_GGUF_PORTABLE", "1" if portable else "0")
-    n, k = 40, 768  # 40 rows: two whole tasks of 16 and a partial one
+    # 45 weight rows: two whole tasks of 16 and one of 13 (a group of 8 for the types with group dots, 5 alone);
+    # 10 activation rows: a whole tile of 8 and one of 2
+    n, k, m = 45, 768, 10
     raw, w = weights(qtype, n, k, seed=int(qtype))
     act_block = GGML_QUANT_SIZES[qtype][0]
-    x = (np.random.default_rng(1).standard_normal((2, 3, k)) * np.linspace(0.1, 3, k)).astype(np.float32)
-    got = session(op_model("GgufMatMul", qtype=qtype, n=n, k=k, x_shape=[2, 3, k])).run(None, {"x": x, "w": raw})[0]
-    assert got.shape == (2, 3, n)
-    want = quantized_activations(x.reshape(6, k), act_block).astype(np.float64) @ w.T
-    scale = np.abs(quantized_activations(x.reshape(6, k), act_block)) @ np.abs(w).T  # the products' magnitude
-    assert np.all(np.abs(got.reshape(6, n) - want) <= 1e-5 * scale + 1e-30)
+    x = (np.random.default_rng(1).standard_normal((2, m // 2, k)) * np.linspace(0.1, 3, k)).astype(np.float32)
+    model = op_model("GgufMatMul", qtype=qtype, n=n, k=k, x_shape=[2, m // 2, k])
+    got = session(model).run(None, {"x": x, "w": raw})[0]
+    assert got.shape == (2, m // 2, n)
+    want = quantized_activations(x.reshape(m, k), act_block).astype(np.float64) @ w.T
+    scale = np.abs(quantized_activations(x.reshape(m, k), act_block)) @ np.abs(w).T  # the products' magnitude
+    assert np.all(np.abs(got.reshape(m, n) - want) <= 1e-5 * scale + 1e-30)
     # and the activations' rounding is the only loss against float x: within a level per input
-    assert np.abs(got.reshape(6, n) - x.reshape(6, k).astype(np.float64) @ w.T).max() < 0.02 * np.abs(want).max()
+    assert np.abs(got.reshape(m, n) - x.reshape(m, k).astype(np.float64) @ w.T).max() < 0.02 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -119,14 +122,16 @@ def test_zero_rows_and_one_thread_agree_with_two_threads():
 
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_0], ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_the_other_rows(qtype):
     """Each row of x is quantized and dotted on its own, in the same order whatever the tile it falls in: greedy
-    answers do not depend on the batch, the chunk or speculation through these ops."""
-    raw, _w = weights(T.Q6_K, 20, 512, seed=5)
-    run = session(op_model("GgufMatMul", qtype=T.Q6_K, n=20, k=512, x_shape=["m", 512])).run
-    x = np.random.default_rng(4).standard_normal((7, 512)).astype(np.float32)
+    answers do not depend on the batch, the chunk or speculation through these ops (Q5_0 goes through the group
+    dots: 20 weight rows are a group of 8 and rows alone)."""
+    raw, _w = weights(qtype, 20, 512, seed=5)
+    run = session(op_model("GgufMatMul", qtype=qtype, n=20, k=512, x_shape=["m", 512])).run
+    x = np.random.default_rng(4).standard_normal((11, 512)).astype(np.float32)
     together = run(None, {"x": x, "w": raw})[0]
-    for i in range(7):
+    for i in range(11):
         assert np.array_equal(run(None, {"x": x[i:i + 1], "w": raw})[0][0], together[i])
 
 

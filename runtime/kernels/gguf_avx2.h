@@ -6,6 +6,7 @@
 #define HAS_X86 1
 int have_avx2(void);
 DotFn avx2_dot(int type);
+GroupDotFn avx2_group_dot(int type);
 void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums);
 #else
 #define HAS_X86 0
