@@ -126,7 +126,7 @@ def test_zero_rows_and_one_thread_agree_with_two_threads():
 def test_a_rows_result_does_not_depend_on_the_other_rows(qtype):
     """Each row of x is quantized and dotted on its own, in the same order whatever the tile it falls in: greedy
     answers do not depend on the batch, the chunk or speculation through these ops (Q5_0 goes through the group
-    dots: 20 weight rows are a group of 8 and rows alone; Q4_K has a pass of its own for one row)."""
+    dots: 20 weight rows are a group of 8 and rows alone; Q4_K and Q6_K have a pass of their own for one row)."""
     raw, _w = weights(qtype, 20, 512, seed=5)
     run = session(op_model("GgufMatMul", qtype=qtype, n=20, k=512, x_shape=["m", 512])).run
     x = np.random.default_rng(4).standard_normal((11, 512)).astype(np.float32)

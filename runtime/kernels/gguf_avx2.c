@@ -357,6 +357,49 @@ AVX2 static INLINE void group_dot_q_0(const uint8_t* w, int64_t row_bytes, const
   for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * stride, acc[r]);
 }
 
+/* The same sums as dot_q6_k_rows for one activation row (a decode step), its levels held in registers as
+ * dot_k4_each holds them. */
+AVX2 static INLINE void dot_q6_k_each(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
+                                      int64_t stride) {
+  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+  __m256i pick[4]; /* part p of a half: its first 16's scale in the low lane, its second's in the high lane */
+  for (int p = 0; p < 4; p++) pick[p] = broadcast16(2 * p, 2 * p + 1);
+  __m256 acc[TILE];
+  for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < k / QK_K; b++, w += 210) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192))); /* [16] int16 */
+    __m256i levels[8], spread[8]; /* [half, part]: 32 levels; the scales of its two 16s */
+    for (int half = 0; half < 2; half++) {
+      const uint8_t *ql = w + 64 * half, *qhp = w + 128 + 32 * half;
+      const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql), l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+      const __m256i h = _mm256_loadu_si256((const __m256i*)qhp);
+      const __m256i half_scales = half ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
+                                       : _mm256_permute2x128_si256(sc16, sc16, 0x00);
+      __m256i* q = levels + 4 * half;
+      q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+      q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
+      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
+      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+      for (int part = 0; part < 4; part++) spread[4 * half + part] = _mm256_shuffle_epi8(half_scales, pick[part]);
+    }
+    const float d = _cvtsh_ss(*(const uint16_t*)(w + 208));
+#pragma GCC unroll 1 /* one row's sums at a time: the levels stay in registers */
+    for (int r = 0; r < rows; r++) {
+      const __m256i sums = _mm256_loadu_si256((const __m256i*)(a[r].sums + b * 16));
+      __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
+      for (int i = 0; i < 8; i++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(a[r].q + b * QK_K + 32 * i));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(levels[i], x), spread[i]));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[r].d[b]), _mm256_cvtepi32_ps(isum), acc[r]);
+    }
+  }
+  for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]);
+}
+
 AVX2 static double int8_mac_rate_avx2(double seconds) {
   enum { K = 4096, ROWS = 4 };
   static _Thread_local int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
@@ -424,7 +467,7 @@ AVX2 static double int8_mac_rate_avx2(double seconds) {
 #define Q8_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q8_0)
 #define Q4_K_CALL(n) (n == 1 ? dot_k4_each(w, a, n, k, out, stride, 0) : dot_k4_rows(w, a, n, k, out, stride, 0))
 #define Q5_K_CALL(n) (n == 1 ? dot_k4_each(w, a, n, k, out, stride, 1) : dot_k4_rows(w, a, n, k, out, stride, 1))
-#define Q6_K_CALL(n) dot_q6_k_rows(w, a, n, k, out, stride)
+#define Q6_K_CALL(n) (n == 1 ? dot_q6_k_each(w, a, n, k, out, stride) : dot_q6_k_rows(w, a, n, k, out, stride))
 TILED(dot_q4_0_avx2, Q4_0_CALL)
 TILED(dot_q5_0_avx2, Q5_0_CALL)
 TILED(dot_q8_0_avx2, Q8_0_CALL)
