@@ -18,8 +18,7 @@ install: $(STAMP)
 # build.sh takes from Debian's libonnxruntime-dev where it is not installed; without them it says why, and families
 # use ORT's MatMulNBits instead.
 KERNELS := runtime/kernels/libstaticlm_gguf.so
-$(KERNELS): runtime/kernels/gguf_blocks.h runtime/kernels/gguf_dot.h runtime/kernels/gguf_dot.c runtime/kernels/gguf_avx2.h \
-            runtime/kernels/gguf_avx2.c runtime/kernels/gguf_ops.c runtime/kernels/build.sh
+$(KERNELS): $(wildcard runtime/kernels/*.c runtime/kernels/*.h) runtime/kernels/build.sh
 	@bash runtime/kernels/build.sh
 
 kernels: $(KERNELS)

@@ -33,7 +33,7 @@ fi
 cc="${CC:-cc}"
 command -v "$cc" >/dev/null 2>&1 || note "no C compiler ($cc)"
 "$cc" -O3 -std=c11 -D_GNU_SOURCE -fPIC -shared -fvisibility=hidden -Wall -Wextra -Werror \
-  -I"$include" "$here/gguf_dot.c" "$here/gguf_avx2.c" "$here/gguf_ops.c" -o "$out.tmp" -lpthread -lm
+  -I"$include" "$here"/gguf_*.c -o "$out.tmp" -lpthread -lm
 mv "$out.tmp" "$out"
 rm -f "$here/.build-note"
 echo "built $out"
