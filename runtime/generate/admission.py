@@ -11,6 +11,9 @@ newcomer's rest after them, and its rows copy just that rest). The segment is ch
 the prefix the first request shares with a waiting one (at least MIN_SHARED_PREFIX tokens), or with the lone
 sequence it joins on the lane, else the whole first prompt (its choices share it).
 
+Admitted prompts wait for the lane in the order `next_prefill` (scheduler.py) gives: the one started runs to its end,
+then the shortest (its tokens not in a cache), none overtaken more than MAX_OVERTAKEN times.
+
 A greedy request on rows that would not give it the lane's bits (Rows.greedy_exact: the segments kind beside a
 lane that pairs its rows) runs on the lane instead, alone, as one sequence whose answer each of its choices gets
 (greedy choices are the same tokens); a prefix it shares with the lane's last sequence comes from the lane's cache.
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
 from staticlm.runtime.generate.rows import Rows
 from staticlm.runtime.generate.running import RunningSequence, new_sequences
-from staticlm.runtime.generate.scheduler import RowScheduler
+from staticlm.runtime.generate.scheduler import RowScheduler, next_prefill
 from staticlm.runtime.generate.sequence_request import Admitted, Failed, Finished, SequenceRequest
 from staticlm.runtime.generate.text_stream import FinishReason
 
@@ -35,6 +38,9 @@ MIN_SHARED_PREFIX = 16
 # stretches a long prompt over many steps: its first token comes late, and its answer decodes on after the others
 # ended, in steps with fewer rows. More chunks per step: each decoding row's step is longer for those few steps.
 PREFILL_CHUNKS_PER_STEP = 4
+# A prompt waits for at most this many shorter ones admitted after it (next_prefill): a bounded wait for a long
+# prompt, while the short ones beside it (as many as the rows, at most, are admitted at a time) go first.
+MAX_OVERTAKEN = 8
 
 
 def extends(prompt: list[int], segment: list[int]) -> bool:
@@ -56,6 +62,7 @@ class Admission:
     todo: list[int] | None = None
     num_cached: int = 0
     source_row: int | None = None  # the row whose cached prefix it took (its rows start there: overwritten in place)
+    num_overtaken: int = 0  # prompts admitted after it that were prefilled before it (next_prefill)
 
 
 class Admissions:
@@ -118,7 +125,7 @@ class Admissions:
         whether anything ran, and the admission whose prompt is now all in (its choices to be placed)."""
         if not self.pending:
             return False, None
-        adm = self.pending[0]
+        adm = self._next()
         try:
             if adm.todo is None:
                 self.migrate_solo(for_prompt=adm.request.prompt_ids)  # the lane is needed: a lone one moves out
@@ -129,7 +136,7 @@ class Admissions:
             self.lane.append_tokens(adm.todo[:take])
             del adm.todo[:take]
         except Exception as e:  # noqa: BLE001 -- the request fails, the loop keeps serving
-            self.pending.popleft()
+            self.pending.remove(adm)
             self.scheduler.unreserve(adm.num_rows)
             if self.rows.segment is not None:  # what the prefill left after the segment is unknown
                 self.lane.rewind_to(len(self.rows.segment))
@@ -139,8 +146,27 @@ class Admissions:
             return True, None
         if adm.todo:
             return True, None
-        self.pending.popleft()
+        self.pending.remove(adm)
         return True, adm
+
+    def _next(self) -> Admission:
+        """The admission the lane prefills now (next_prefill's order); the older ones it overtakes count it."""
+        pending = list(self.pending)
+        started = next((i for i, a in enumerate(pending) if a.todo is not None), None)
+        if started is not None or len(pending) == 1:
+            return pending[started or 0]
+        i = next_prefill([self._num_to_prefill(a.request.prompt_ids) for a in pending],
+                         num_overtaken=[a.num_overtaken for a in pending], max_overtaken=MAX_OVERTAKEN)
+        for older in pending[:i]:
+            older.num_overtaken += 1
+        return pending[i]
+
+    def _num_to_prefill(self, ids: list[int]) -> int:
+        """The prompt's tokens that no cache _start would look in holds (the lane's, or a free row's)."""
+        cached = common_prefix(self.lane.tokens, ids) if self.use_cache else 0
+        if self.use_cache and self.rows.keeps_prefixes:
+            cached = max(cached, self.cache.longest(ids, rows=self.scheduler.free_rows())[1])
+        return len(ids) - min(cached, len(ids) - 1)
 
     def _start(self, request: SequenceRequest) -> tuple[list[int], int, int | None]:
         """Rewind the lane to the longest cached prefix of the prompt (its own, or a row's copied in once)."""
