@@ -55,29 +55,35 @@ def test_scheduler_admits_in_order_never_over_allocates_and_bounds_its_queue(ops
 prefill_ops = st.lists(st.tuples(st.sampled_from(["admit", "prefill"]), st.integers(1, 40)), max_size=80)
 
 
-@settings(max_examples=200, deadline=None)
-@given(ops=prefill_ops, max_overtaken=st.integers(0, 4))
-def test_prefill_order_finishes_what_it_started_then_takes_the_shortest_and_bounds_each_prompts_wait(
-        ops, max_overtaken):
+@settings(max_examples=300, deadline=None)
+@given(ops=prefill_ops, max_overtaken=st.integers(0, 4), can_switch=st.booleans())
+def test_prefill_order_takes_the_shortest_switches_only_when_it_may_and_bounds_each_prompts_wait(
+        ops, max_overtaken, can_switch):
     pending: list[dict] = []  # admitted prompts, oldest first, as admission.py keeps them
     for i, (op, n) in enumerate(ops):
         if op == "admit":
-            pending.append({"name": i, "left": n, "started": False, "overtaken": 0})
+            pending.append({"name": i, "left": n, "overtaken": 0})
             continue
         if not pending:
             continue
-        started = next((j for j, p in enumerate(pending) if p["started"]), None)
+        started = next((j for j, p in enumerate(pending) if p.get("started")), None)
         j = next_prefill([p["left"] for p in pending], num_overtaken=[p["overtaken"] for p in pending],
-                         max_overtaken=max_overtaken, started=started)
-        # the naive model: the started one; else the oldest one overtaken enough; else the shortest, oldest first
+                         max_overtaken=max_overtaken, started=started, can_switch=can_switch)
+        # the naive model: the oldest one overtaken enough, else the shortest, oldest first; the started one
+        # instead, unless it may be set aside and the other is due or strictly shorter than its rest
         due = [k for k, p in enumerate(pending) if p["overtaken"] >= max_overtaken]
-        want = started if started is not None else due[0] if due else sorted(
-            range(len(pending)), key=lambda k: (pending[k]["left"], k))[0]
-        assert j == want
+        best = due[0] if due else sorted(range(len(pending)), key=lambda k: (pending[k]["left"], k))[0]
+        switch = can_switch and (due or pending[best]["left"] < pending[started]["left"]) if started is not None \
+            else True
+        assert j == (best if switch else started)
+        if not can_switch and started is not None:
+            assert j == started  # a prompt the lane cannot set aside runs to its end
         chosen = pending[j]
-        if not chosen["started"]:
+        if j != started:
             for older in pending[:j]:
                 older["overtaken"] += 1
+            if started is not None:
+                pending[started]["started"] = False  # set aside, its rest kept
         chosen["started"] = True
         chosen["left"] -= min(n, chosen["left"])
         if not chosen["left"]:

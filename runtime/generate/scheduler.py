@@ -127,19 +127,21 @@ class RowScheduler(Generic[T]):
 
 
 def next_prefill(sizes: Sequence[int], *, num_overtaken: Sequence[int], max_overtaken: int,
-                 started: int | None = None) -> int:
-    """Which of the admitted prompts (oldest first; sizes: the tokens each has to prefill, num_overtaken: how many
-    prompts admitted after it were prefilled before it) the lane prefills next: the one it started (the lane holds
-    its rows so far; switching would drop them), else the oldest one overtaken max_overtaken times, else the
-    shortest, the oldest among equals. Shortest first: short prompts' first tokens do not wait for a long one's
+                 started: int | None = None, can_switch: bool = False) -> int:
+    """Which of the admitted prompts (oldest first; sizes: the tokens each has yet to prefill, num_overtaken: how
+    many prompts admitted after it were prefilled before it) the lane prefills next: the oldest one overtaken
+    max_overtaken times, else the shortest, the oldest among equals. The one started (the lane holds its rows so
+    far) keeps the lane, unless can_switch (its rows can be set aside and taken back) and another is due or
+    strictly shorter than its rest. Shortest first: short prompts' first tokens do not wait for a long one's
     whole prefill, and their waits summed are the least any order gives; the bound keeps a stream of short
     prompts from starving a long one."""
     if not sizes or len(sizes) != len(num_overtaken):
         raise ValueError(f"need as many sizes as counts, and some: {len(sizes)}, {len(num_overtaken)}")
-    if started is not None:
-        return started
     due = next((i for i, n in enumerate(num_overtaken) if n >= max_overtaken), None)
-    return due if due is not None else min(range(len(sizes)), key=lambda i: (sizes[i], i))
+    best = due if due is not None else min(range(len(sizes)), key=lambda i: (sizes[i], i))
+    if started is None or (can_switch and (due is not None or sizes[best] < sizes[started])):
+        return best
+    return started
 
 
 __all__ = ["QueueFull", "RowScheduler", "next_prefill"]
