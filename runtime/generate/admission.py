@@ -161,9 +161,11 @@ class Admissions:
         the one it overtakes on the lane is parked."""
         pending = list(self.pending)
         started = next((i for i, a in enumerate(pending) if a.todo is not None), None)
+        if len(pending) == 1:
+            return pending[0]
         can_switch = started is not None and self._can_park(pending[started])
-        if len(pending) == 1 or (started is not None and not can_switch):
-            return pending[started or 0]
+        if started is not None and not can_switch:
+            return pending[started]
         for a in pending:
             if a.size is None:
                 a.size = self._num_to_prefill(a.request.prompt_ids)
