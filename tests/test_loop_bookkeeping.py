@@ -1,12 +1,13 @@
-"""The generation loop's bookkeeping, property-tested apart from any model: the row scheduler and the prompt cache
-(runtime/generate/scheduler.py, prompt_cache.py), each against a naive model of what it promises."""
+"""The generation loop's bookkeeping, property-tested apart from any model: the row scheduler, the order admitted
+prompts are prefilled in, and the prompt cache (runtime/generate/scheduler.py, prompt_cache.py), each against a
+naive model of what it promises."""
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
-from staticlm.runtime.generate.scheduler import QueueFull, RowScheduler
+from staticlm.runtime.generate.scheduler import QueueFull, RowScheduler, next_prefill
 
 NUM_ROWS = 4
 ops = st.lists(st.tuples(st.sampled_from(["submit", "admit", "release", "drop"]), st.integers(1, NUM_ROWS)),
@@ -48,6 +49,47 @@ def test_scheduler_admits_in_order_never_over_allocates_and_bounds_its_queue(ops
         assert admitted == submitted[:len(admitted)]  # oldest first, nobody jumps the queue
         assert s.waiting() == submitted[len(admitted):]
         assert s.head() == next(iter(submitted[len(admitted):]), None)  # the next one admitted
+
+
+# (op, size): "admit" a prompt of that many tokens to prefill, "prefill" one chunk of that many tokens
+prefill_ops = st.lists(st.tuples(st.sampled_from(["admit", "prefill"]), st.integers(1, 40)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=prefill_ops, max_overtaken=st.integers(0, 4), can_switch=st.booleans())
+def test_prefill_order_takes_the_shortest_switches_only_when_it_may_and_bounds_each_prompts_wait(
+        ops, max_overtaken, can_switch):
+    pending: list[dict] = []  # admitted prompts, oldest first, as admission.py keeps them
+    for i, (op, n) in enumerate(ops):
+        if op == "admit":
+            pending.append({"name": i, "left": n, "overtaken": 0})
+            continue
+        if not pending:
+            continue
+        started = next((j for j, p in enumerate(pending) if p.get("started")), None)
+        j = next_prefill([p["left"] for p in pending], num_overtaken=[p["overtaken"] for p in pending],
+                         max_overtaken=max_overtaken, started=started, can_switch=can_switch)
+        # the naive model: the oldest one overtaken enough, else the shortest, oldest first; the started one
+        # instead, unless it may be set aside and the other is due or strictly shorter than its rest
+        due = [k for k, p in enumerate(pending) if p["overtaken"] >= max_overtaken]
+        best = due[0] if due else sorted(range(len(pending)), key=lambda k: (pending[k]["left"], k))[0]
+        switch = can_switch and (due or pending[best]["left"] < pending[started]["left"]) if started is not None \
+            else True
+        assert j == (best if switch else started)
+        if not can_switch and started is not None:
+            assert j == started  # a prompt the lane cannot set aside runs to its end
+        chosen = pending[j]
+        if j != started:
+            for older in pending[:j]:
+                older["overtaken"] += 1
+            if started is not None:
+                pending[started]["started"] = False  # set aside, its rest kept
+        chosen["started"] = True
+        chosen["left"] -= min(n, chosen["left"])
+        if not chosen["left"]:
+            pending.remove(chosen)
+        # a long prompt's wait is bounded: at most max_overtaken later prompts go before it
+        assert all(p["overtaken"] <= max_overtaken for p in pending)
 
 
 cached = st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=5)

@@ -240,6 +240,69 @@ def test_a_long_prompt_is_prefilled_a_few_chunks_per_step_while_the_other_rows_d
     assert list(next(e for e in admitting if isinstance(e, Finished)).token_ids) == want_long
 
 
+def test_short_prompts_admitted_beside_a_long_one_are_prefilled_first_with_the_same_answers(in_place_family):
+    # admission.py's order (scheduler.next_prefill): the long prompt, though oldest, waits for the short ones
+    from staticlm.runtime.generate.sequence_request import Admitted, Delta, Finished, SequenceRequest
+    from staticlm.runtime.generate.text_stream import GenerationParams
+
+    reference, served = _open(in_place_family), _open(in_place_family)
+    tok = reference.tokenizer
+    long = tok.encode("abcabc abd zz top " * 24, add_special_tokens=False)
+    shorts = [tok.encode(text, add_special_tokens=False) for text in ("The cat", "A dog ran")]
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    want = [reference.generate(ids, params).token_ids for ids in (long, *shorts)]
+    loop = served.open_loop(eager=True)
+    events: list[list] = [[], [], []]
+    for ids, out in zip((long, *shorts), events):
+        loop.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=out.append))
+    while loop.step():
+        pass
+    admitted = [next(e.time for e in out if isinstance(e, Admitted)) for out in events]
+    first = [next(e.time for e in out if isinstance(e, Delta)) for out in events]
+    assert admitted[1] < admitted[2] < admitted[0] and max(first[1:]) < first[0]
+    assert [list(next(e for e in out if isinstance(e, Finished)).token_ids) for out in events] == want
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_short_prompt_that_comes_while_a_long_one_prefills_goes_first_and_the_long_one_resumes(beside,
+                                                                                                   in_place_family):
+    # admission.py: the long prompt's rows so far wait in a free row and come back; none is prefilled twice.
+    # beside: a row decodes meanwhile (a served load), not only the lane prefilling alone
+    from staticlm.runtime.generate.sequence_request import Delta, Finished, SequenceRequest
+    from staticlm.runtime.generate.text_stream import GenerationParams
+
+    reference, served = _open(in_place_family), _open(in_place_family)
+    tok = reference.tokenizer
+    long = tok.encode("abcabc abd zz top " * 24, add_special_tokens=False)
+    short = tok.encode("The cat", add_special_tokens=False)
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    want = [reference.generate(ids, params).token_ids for ids in (long, short)]
+    loop = served.open_loop(eager=True)
+    assert len(long) > 2 * loop.max_prefill_tokens
+    prefilled: list[int] = []
+    append = served.generator.append_tokens
+    served.generator.append_tokens = lambda ids: (prefilled.append(len(ids)), append(ids))[1]
+    events: list[list] = [[], [], []]
+    if beside:
+        other = tok.encode("Hello", add_special_tokens=False)  # no prefix shared with the two prompts
+        assert other[0] not in (long[0], short[0])
+        loop.submit(SequenceRequest(prompt_ids=other, params=GenerationParams(max_new_tokens=60, ignore_eos=True),
+                                    on_event=events[2].append))
+        loop.step()
+        prefilled.clear()
+        assert loop.status()["rows_in_use"] == 1
+    loop.submit(SequenceRequest(prompt_ids=long, params=params, on_event=events[0].append))
+    loop.step()  # the long prompt's first chunk
+    assert prefilled == [loop.max_prefill_tokens]
+    loop.submit(SequenceRequest(prompt_ids=short, params=params, on_event=events[1].append))
+    while loop.step():
+        pass
+    first = [next(e.time for e in out if isinstance(e, Delta)) for out in events[:2]]
+    assert first[1] < first[0]
+    assert sum(prefilled) == len(long) + len(short)  # the long one went on from where it was set aside
+    assert [list(next(e for e in out if isinstance(e, Finished)).token_ids) for out in events[:2]] == want
+
+
 def test_logprobs_and_grammars_run_on_the_single_path(in_place_family):
     # a single `generate` is a caller of the same loop as the server: what a request may ask, it may ask here
     from staticlm.runtime.generate.text_stream import GenerationParams

@@ -11,6 +11,12 @@ newcomer's rest after them, and its rows copy just that rest). The segment is ch
 the prefix the first request shares with a waiting one (at least MIN_SHARED_PREFIX tokens), or with the lone
 sequence it joins on the lane, else the whole first prompt (its choices share it).
 
+Admitted prompts wait for the lane in the order `next_prefill` (scheduler.py) gives: the shortest first (its tokens
+not in a cache), none overtaken more than MAX_OVERTAKEN times. Rows that keep their prompts (copies) let a prompt
+admitted later and shorter than the rest of the one the lane is prefilling go first: the lane's rows so far are
+parked in a free row of the prompt cache (one copy; no other request takes that row) and taken back (one copy)
+when its turn comes again. Otherwise the prompt started runs to its end.
+
 A greedy request on rows that would not give it the lane's bits (Rows.greedy_exact: the segments kind beside a
 lane that pairs its rows) runs on the lane instead, alone, as one sequence whose answer each of its choices gets
 (greedy choices are the same tokens); a prefix it shares with the lane's last sequence comes from the lane's cache.
@@ -24,17 +30,20 @@ from dataclasses import dataclass
 from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
 from staticlm.runtime.generate.rows import Rows
 from staticlm.runtime.generate.running import RunningSequence, new_sequences
-from staticlm.runtime.generate.scheduler import RowScheduler
+from staticlm.runtime.generate.scheduler import RowScheduler, next_prefill
 from staticlm.runtime.generate.sequence_request import Admitted, Failed, Finished, SequenceRequest
 from staticlm.runtime.generate.text_stream import FinishReason
 
 # A prompt segment read in place is worth sharing from this many common tokens: one step of the response buffer
 # (kv_manager/segments.py), which a row's own copy of them would take anyway.
 MIN_SHARED_PREFIX = 16
-# Prompt chunks (the family's longest prompt graph each) prefilled per step while rows decode. One chunk per step
+# Prompt chunks (the family's longest prompt graph each) prefilled per step (rows decode between). One chunk per step
 # stretches a long prompt over many steps: its first token comes late, and its answer decodes on after the others
 # ended, in steps with fewer rows. More chunks per step: each decoding row's step is longer for those few steps.
 PREFILL_CHUNKS_PER_STEP = 4
+# A prompt waits for at most this many shorter ones admitted after it (next_prefill): a bounded wait for a long
+# prompt, while the short ones beside it (as many as the rows, at most, are admitted at a time) go first.
+MAX_OVERTAKEN = 8
 
 
 def extends(prompt: list[int], segment: list[int]) -> bool:
@@ -56,6 +65,9 @@ class Admission:
     todo: list[int] | None = None
     num_cached: int = 0
     source_row: int | None = None  # the row whose cached prefix it took (its rows start there: overwritten in place)
+    num_overtaken: int = 0  # prompts admitted after it that were prefilled before it (next_prefill)
+    parked_row: int | None = None  # set aside: the free row its prompt so far waits in (the prompt cache's)
+    size: int | None = None  # while it waits: its tokens to prefill (before it starts, _num_to_prefill's guess)
 
 
 class Admissions:
@@ -109,27 +121,29 @@ class Admissions:
 
     @property
     def max_prefill_tokens(self) -> int:
-        """Prompt tokens a step prefills while rows decode."""
+        """Prompt tokens a step prefills (rows decode between steps)."""
         return PREFILL_CHUNKS_PER_STEP * self.model.engine.prefill_len
 
     def prefill_chunk(self) -> tuple[bool, Admission | None]:
-        """Up to max_prefill_tokens of the oldest admitted prompt on the lane (the whole rest when no row waits on
-        it); returns
-        whether anything ran, and the admission whose prompt is now all in (its choices to be placed)."""
+        """Up to max_prefill_tokens of the next admitted prompt (_next) on the lane, alone too: a request that
+        comes meanwhile is admitted at the next step, and a shorter prompt goes first; returns whether anything
+        ran, and the admission whose prompt is now all in (its choices to be placed)."""
         if not self.pending:
             return False, None
-        adm = self.pending[0]
+        adm = self._next()
         try:
             if adm.todo is None:
                 self.migrate_solo(for_prompt=adm.request.prompt_ids)  # the lane is needed: a lone one moves out
-                adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
-            busy = any(not self.scheduler.occupant(r).solo for r in self.scheduler.busy_rows())
-            take = min(len(adm.todo), self.max_prefill_tokens) if busy else len(adm.todo)
+                if adm.parked_row is not None:
+                    adm.todo = self._take_back(adm)
+                else:
+                    adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
+            take = min(len(adm.todo), self.max_prefill_tokens)
             take -= take > 2 and len(adm.todo) - take == 1  # leave no lone row for last (Engine.pairs_rows)
             self.lane.append_tokens(adm.todo[:take])
             del adm.todo[:take]
         except Exception as e:  # noqa: BLE001 -- the request fails, the loop keeps serving
-            self.pending.popleft()
+            self.pending.remove(adm)
             self.scheduler.unreserve(adm.num_rows)
             if self.rows.segment is not None:  # what the prefill left after the segment is unknown
                 self.lane.rewind_to(len(self.rows.segment))
@@ -139,8 +153,67 @@ class Admissions:
             return True, None
         if adm.todo:
             return True, None
-        self.pending.popleft()
+        self.pending.remove(adm)
         return True, adm
+
+    def _next(self) -> Admission:
+        """The admission the lane prefills now (next_prefill's order): the older ones it overtakes count it, and
+        the one it overtakes on the lane is parked."""
+        pending = list(self.pending)
+        started = next((i for i, a in enumerate(pending) if a.todo is not None), None)
+        if len(pending) == 1:
+            return pending[0]
+        can_switch = started is not None and self._can_park(pending[started])
+        if started is not None and not can_switch:
+            return pending[started]
+        for a in pending:
+            if a.size is None:
+                a.size = self._num_to_prefill(a.request.prompt_ids)
+        sizes = [len(a.todo) if a.todo is not None else a.size for a in pending]
+        i = next_prefill(sizes, num_overtaken=[a.num_overtaken for a in pending], max_overtaken=MAX_OVERTAKEN,
+                         started=started, can_switch=can_switch)
+        if i != started:
+            for older in pending[:i]:
+                older.num_overtaken += 1
+            if started is not None:
+                self._park(pending[started])
+        return pending[i]
+
+    def _can_park(self, adm: Admission) -> bool:
+        """Whether the prompt the lane is prefilling can wait in a row of the prompt cache (what it has so far)."""
+        done = len(adm.request.prompt_ids) - len(adm.todo)
+        return (self.use_cache and self.rows.keeps_prefixes and self.rows.opened and done > 0
+                and self.lane.tokens == adm.request.prompt_ids[:done] and bool(self._free_rows(but=adm)))
+
+    def _free_rows(self, *, but: Admission | None = None) -> list[int]:
+        """Free rows no other admission has parked its prompt in."""
+        parked = {a.parked_row for a in self.pending if a is not but}
+        return [r for r in self.scheduler.free_rows() if r not in parked]
+
+    def _park(self, adm: Admission) -> None:
+        """The lane's rows so far of adm's prompt wait in a free row (one copy) until it is prefilled again."""
+        row = self.cache.victims(1, free=self._free_rows(but=adm))[0]
+        self.rows.load([row], self.lane.engine)
+        self.cache.store(row, self.lane.tokens)
+        adm.todo, adm.parked_row, adm.size = None, row, len(adm.todo)
+
+    def _take_back(self, adm: Admission) -> list[int]:
+        """A parked prompt's rows so far back on the lane (one copy, unless the lane still holds them); returns
+        what is left to prefill. A row that lost them (a failed step resets the rows) gives back what it still
+        holds, and the rest is prefilled again."""
+        ids, row, lane = adm.request.prompt_ids, adm.parked_row, self.lane
+        num_in_row = min(common_prefix(self.cache.tokens(row), ids), len(ids) - 1)
+        if num_in_row > common_prefix(lane.tokens, ids):
+            lane.adopt(self.rows.engine, row=row, token_ids=ids[:num_in_row])
+        adm.parked_row, adm.source_row = None, row  # its rows start there (overwritten in place)
+        return lane.sync_prefix(list(ids))
+
+    def _num_to_prefill(self, ids: list[int]) -> int:
+        """The prompt's tokens that no cache _start would look in holds (the lane's, or a free row's)."""
+        cached = common_prefix(self.lane.tokens, ids) if self.use_cache else 0
+        if self.use_cache and self.rows.keeps_prefixes:
+            cached = max(cached, self.cache.longest(ids, rows=self.scheduler.free_rows())[1])
+        return len(ids) - min(cached, len(ids) - 1)
 
     def _start(self, request: SequenceRequest) -> tuple[list[int], int, int | None]:
         """Rewind the lane to the longest cached prefix of the prompt (its own, or a row's copied in once)."""
@@ -173,7 +246,7 @@ class Admissions:
         self.scheduler.unreserve(adm.num_rows - len(seqs))  # a mirrored request's other choices take no row
         solo = on_lane or (adm.num_rows == 1 and not self.scheduler.busy_rows() and not self.pending
                            and not self.scheduler.num_waiting) or not self.rows.available
-        free = self.scheduler.free_rows()
+        free = self._free_rows(but=adm)
         rows = (self.cache.victims(adm.num_rows, free=free, prefer=adm.source_row) if self.rows.keeps_prefixes
                 else free[:len(seqs)])
         for r, seq in zip(rows, seqs, strict=True):

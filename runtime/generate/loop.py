@@ -69,7 +69,7 @@ class GenerationLoop:
 
     @property
     def max_prefill_tokens(self) -> int:
-        """Prompt tokens a step prefills while rows decode."""
+        """Prompt tokens a step prefills (rows decode between steps)."""
         return self.admissions.max_prefill_tokens
 
     # -- any thread ---------------------------------------------------------------------------------

@@ -5,12 +5,14 @@ requests can take rows now, and tells it when a row is taken or given back. A re
 choices) waits in one bounded FIFO queue; the head is admitted first, so a large request is never starved by
 small ones behind it. `submit` is called from other threads (HTTP handlers); everything else runs on the
 engine's thread.
+
+`next_prefill` orders the admitted prompts that wait for the lane (admission.py): shortest first, with a bound.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 from staticlm.errors import InvalidOption, UserError
@@ -124,4 +126,22 @@ class RowScheduler(Generic[T]):
         return [i for i, r in enumerate(self._rows) if r is not None]
 
 
-__all__ = ["QueueFull", "RowScheduler"]
+def next_prefill(sizes: Sequence[int], *, num_overtaken: Sequence[int], max_overtaken: int,
+                 started: int | None = None, can_switch: bool = False) -> int:
+    """Which of the admitted prompts (oldest first; sizes: the tokens each has yet to prefill, num_overtaken: how
+    many prompts admitted after it were prefilled before it) the lane prefills next: the oldest one overtaken
+    max_overtaken times, else the shortest, the oldest among equals. The one started (the lane holds its rows so
+    far) keeps the lane, unless can_switch (its rows can be set aside and taken back) and another is due or
+    strictly shorter than its rest. Shortest first: short prompts' first tokens do not wait for a long one's
+    whole prefill, and their waits summed are the least any order gives; the bound keeps a stream of short
+    prompts from starving a long one."""
+    if not sizes or len(sizes) != len(num_overtaken):
+        raise ValueError(f"need as many sizes as counts, and some: {len(sizes)}, {len(num_overtaken)}")
+    due = next((i for i, n in enumerate(num_overtaken) if n >= max_overtaken), None)
+    best = due if due is not None else min(range(len(sizes)), key=lambda i: (sizes[i], i))
+    if started is None or (can_switch and (due is not None or sizes[best] < sizes[started])):
+        return best
+    return started
+
+
+__all__ = ["QueueFull", "RowScheduler", "next_prefill"]
