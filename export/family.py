@@ -178,6 +178,23 @@ def staged_family(out_dir: str | Path) -> Iterator[Path]:
     _replace_dir(work, out_dir)
 
 
+@contextmanager
+def staged_output(out_dir: str | Path) -> Iterator[Path]:
+    """A path inside a scratch directory beside out_dir, for an export made in steps that each stage their own files
+    (a writer's family, then the parts cut from it): out_dir is replaced only when the block ends without an error.
+    The writers' scratch lands inside that directory, so the one cleanup (clean_stale_staging, remove_own_staging)
+    removes all of it."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(out_dir)
+    outer = staging_dir(out_dir)
+    try:
+        yield outer / out_dir.name
+        _replace_dir(outer / out_dir.name, out_dir)
+    finally:
+        shutil.rmtree(outer, ignore_errors=True)
+
+
 def special_tokens(model: LoadedModel) -> SpecialTokens:
     return SpecialTokens(bos_token_id=model.bos_token_id, eos_token_ids=tuple(model.eos_token_ids),
                          bos_token=model.bos_token, eos_token=model.eos_token, add_bos_token=model.add_bos_token)

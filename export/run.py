@@ -17,7 +17,7 @@ from staticlm.runtime.family.manifest import Manifest
 from .calibration.traces import calibration_prompts
 from .cpu.family import export_cpu_family, num_cpu_steps
 from .draft import truncate_layers
-from .family import export_family, num_steps
+from .family import export_family, num_steps, staged_output
 from .htp.family import export_quantized_family, num_quant_steps
 from .options import ExportRequest
 from .parts import add_parts, auto_groups, layer_groups
@@ -71,12 +71,15 @@ def export_model(request: ExportRequest, *, report: Report | None = None,
     report("writing weights")
     if num_parts is not None:
         layer_groups(loaded.config.num_layers, num_parts)  # refused before the (possibly slow) export
-    manifest = writer.write(loaded, out, lambda name: report(f"wrote {name}"))
-    if num_parts is not None:
-        return add_parts(out, num_parts)
-    if max_part_bytes is not None:
-        groups = auto_groups(out, max_bytes=max_part_bytes)
+    if num_parts is None and max_part_bytes is None:
+        return writer.write(loaded, out, lambda name: report(f"wrote {name}"))
+    # the family and its parts replace out together: an export stopped while its parts are cut leaves out as it was
+    with staged_output(out) as family:
+        manifest = writer.write(loaded, family, lambda name: report(f"wrote {name}"))
+        if num_parts is not None:
+            return add_parts(family, num_parts)
+        groups = auto_groups(family, max_bytes=max_part_bytes)
         if len(groups) > 1:  # one group: the whole graphs already fit one context
-            manifest = add_parts(out, groups=groups)
-        note(f"--parts auto: {len(groups)} layer group(s) {groups} within {max_part_bytes} bytes a context")
+            manifest = add_parts(family, groups=groups)
+    note(f"--parts auto: {len(groups)} layer group(s) {groups} within {max_part_bytes} bytes a context")
     return manifest

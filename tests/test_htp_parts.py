@@ -198,6 +198,34 @@ def test_a_killed_exports_scratch_is_removed_by_the_next_export(tiny_hf_dir, tmp
     live.rmdir()
 
 
+def test_an_export_stopped_while_its_parts_are_cut_leaves_the_output_as_it_was(tiny_hf_dir, tmp_path, monkeypatch):
+    """Ctrl-C (or an error) after the family is written but while its parts are cut: the previous output is untouched,
+    not replaced by the family without its parts, and no scratch is left beside it."""
+    from staticlm.export import run
+    from staticlm.export.options import ExportRequest
+
+    def cut_halfway(family_dir, *_args, **_kwargs):
+        (Path(family_dir) / "decode_s32.part0.onnx").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    out = tmp_path / "family"
+    out.mkdir()
+    (out / "manifest.json").write_text("the previous family")
+    monkeypatch.setattr(run, "add_parts", cut_halfway)
+    request = ExportRequest(model=str(tiny_hf_dir), out_dir=out, contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL,
+                            verify_lens=(), batch_sizes=(), parts="2", quiet=True)
+    with pytest.raises(KeyboardInterrupt):
+        run.export_model(request)
+    assert [p.name for p in out.iterdir()] == ["manifest.json"]
+    assert (out / "manifest.json").read_text() == "the previous family"
+    assert [p.name for p in tmp_path.iterdir()] == ["family"]
+    monkeypatch.undo()
+    manifest = run.export_model(request)  # not stopped: the family and its parts
+    assert manifest.parts is not None and len(manifest.parts.layers) == 2
+    assert all((out / g.file).is_file() for chain in manifest.parts.graphs.values() for g in chain)
+    assert [p.name for p in tmp_path.iterdir()] == ["family"]
+
+
 def test_low_memory_is_one_line_with_the_bytes_needed(tiny_hf_dir, tmp_path, monkeypatch):
     from staticlm.export.htp import memory
     from staticlm.export.htp.family import export_quantized_family
