@@ -71,8 +71,7 @@ def weights(qtype: T, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matmul_equals_ggufs_dequantization_times_the_quantized_activations(qtype, portable, monkeypatch):
     monkeypatch.setenv("STATICLM_GGUF_PORTABLE", "1" if portable else "0")
-    # 45 weight rows: two whole tasks of 16 and one of 13 (a group of 8 for the types with group dots, 5 alone);
-    # 10 activation rows: a whole tile of 8 and one of 2
+    # 45 weight rows: two whole tasks of 16 and one of 13; 10 activation rows: a whole tile of 8 and one of 2
     n, k, m = 45, 768, 10
     raw, w = weights(qtype, n, k, seed=int(qtype))
     act_block = GGML_QUANT_SIZES[qtype][0]
@@ -125,8 +124,8 @@ def test_zero_rows_and_one_thread_agree_with_two_threads():
 @pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_0, T.Q4_K], ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_the_other_rows(qtype):
     """Each row of x is quantized and dotted on its own, in the same order whatever the tile it falls in: greedy
-    answers do not depend on the batch, the chunk or speculation through these ops (Q5_0 goes through the group
-    dots: 20 weight rows are a group of 8 and rows alone; Q4_K and Q6_K have a pass of their own for one row)."""
+    answers do not depend on the batch, the chunk or speculation through these ops (Q4_K and Q6_K have a pass of
+    their own for one row)."""
     raw, _w = weights(qtype, 20, 512, seed=5)
     run = session(op_model("GgufMatMul", qtype=qtype, n=20, k=512, x_shape=["m", 512])).run
     x = np.random.default_rng(4).standard_normal((11, 512)).astype(np.float32)

@@ -7,17 +7,8 @@
  * out[r * stride] = w . a[r] */
 typedef void (*DotFn)(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride);
 
-/* w: GROUP consecutive weight rows, row_bytes apart; out[r * stride + j] = w[j] . a[r] for j < GROUP. Where a type
- * has one, it is used for every whole group of a call's rows, whatever the activation rows: a row's result never
- * depends on how many rows a call has. */
-#define GROUP 8
-typedef void (*GroupDotFn)(const uint8_t* w, int64_t row_bytes, const ActRow* a, int rows, int k, float* out,
-                           int64_t stride);
-
 /* portable: the scalar dot even where AVX2 is available (the tests compare both). NULL for a type without one. */
 DotFn dot_function(int type, int portable);
-/* the group dot (AVX2 only), or NULL where the type has none or portable is set */
-GroupDotFn group_dot_function(int type, int portable);
 
 /* x [k] -> q [k] int8, d [k / act_block] (q * d ~ x), sums [k / 16] (each 16 levels summed), scaled [k / 32]
  * (each 32 levels' sum times d); act_block is a multiple of 32 */

@@ -15,8 +15,7 @@
 #include "gguf_dot.h"
 
 #define API_VERSION 17 /* KernelContext_ParallelFor: ORT 1.17 */
-#define ROWS_PER_TASK 16 /* a multiple of GROUP */
-_Static_assert(ROWS_PER_TASK % GROUP == 0, "tasks hold whole groups");
+#define ROWS_PER_TASK 16
 #define QUANTIZE_IN_PARALLEL 8 /* x's rows from which their quantizing is split over the threads too */
 #define MAX_RANK 8
 
@@ -38,7 +37,6 @@ typedef struct {
   BlockFormat format;
   int64_t n, k, row_bytes;
   DotFn dot;
-  GroupDotFn group_dot; /* NULL: every weight row through dot */
   int portable; /* the portable dots and activation rounding (tests compare them with the vector ones) */
 } Kernel;
 
@@ -52,7 +50,6 @@ static OrtStatus* read_kernel(const OrtKernelInfo* info, const char* op, int wit
   const char* portable = getenv("STATICLM_GGUF_PORTABLE");
   kernel->portable = portable != NULL && portable[0] == '1';
   kernel->dot = dot_function((int)type, kernel->portable);
-  kernel->group_dot = group_dot_function((int)type, kernel->portable);
   kernel->n = n;
   kernel->k = k;
   kernel->row_bytes = k / kernel->format.block_elems * kernel->format.block_bytes;
@@ -128,14 +125,7 @@ static void matmul_task(void* data, size_t task) {
       a[r] = (ActRow){job->q + row * kn->k, job->d + row * scales, job->sums + row * (kn->k / 16),
                       job->scaled + row * (kn->k / 32)};
     }
-    int64_t col = first;
-    if (kn->group_dot != NULL) { /* tasks start at multiples of GROUP: a column's path depends on N alone */
-      for (; col + GROUP <= last; col += GROUP) {
-        kn->group_dot(job->w + col * kn->row_bytes, kn->row_bytes, a, rows, (int)kn->k, job->y + r0 * kn->n + col,
-                      kn->n);
-      }
-    }
-    for (; col < last; col++) {
+    for (int64_t col = first; col < last; col++) {
       kn->dot(job->w + col * kn->row_bytes, a, rows, (int)kn->k, job->y + r0 * kn->n + col, kn->n);
     }
   }
