@@ -38,6 +38,17 @@ static INLINE void k4_scales(const uint8_t* packed, uint32_t out[4]) {
   out[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4); /* minima 4..7 */
 }
 
+/* A Q4_K / Q5_K super-block's 8 scales as int16 (in both lanes) and its 8 minima times dmin */
+AVX2 static INLINE void k4_header(const uint8_t* w, __m256i* scales, __m256* minima) {
+  uint32_t sm[4];
+  k4_scales(w + 4, sm);
+  const __m128i both = _mm_loadu_si128((const __m128i*)sm); /* scales, then minima */
+  const __m128i scales8 = _mm_cvtepu8_epi16(both);
+  *scales = _mm256_set_m128i(scales8, scales8);
+  *minima = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(w + 2))),
+                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))));
+}
+
 /* masks for _mm256_shuffle_epi8 that copy one int16 of a lane to all eight of that lane */
 AVX2 static INLINE __m256i broadcast16(int low_lane_index, int high_lane_index) {
   const __m128i lo = _mm_set1_epi16((short)(low_lane_index * 2 | (low_lane_index * 2 + 1) << 8));

@@ -74,13 +74,9 @@ AVX2 static INLINE void dot_k4_rows(const uint8_t* w, const ActRow* a, const int
   __m256 acc[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < k / QK_K; b++, w += bytes) {
-    uint32_t sm[4];
-    k4_scales(w + 4, sm);
-    const __m128i both = _mm_loadu_si128((const __m128i*)sm); /* scales, then minima */
-    const __m128i scales8 = _mm_cvtepu8_epi16(both);
-    const __m256i scales = _mm256_set_m128i(scales8, scales8);
-    const __m256 minima = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(w + 2))),
-                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))));
+    __m256i scales;
+    __m256 minima;
+    k4_header(w, &scales, &minima);
     const uint8_t* qs = w + (five ? 48 : 16);
     const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(w + 16)) : _mm256_setzero_si256();
     __m256i isum[TILE];
