@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import TINY_CONTEXTS, TINY_PREFILL, graph_path
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from test_gguf_grids import MIXED, quantizer, tiny_llama  # noqa: F401 -- tiny_llama is a fixture
 
@@ -64,9 +65,26 @@ def test_every_linear_of_a_block_type_reads_the_files_own_blocks(kernel_family, 
         kind = name.split(".")[-2]
         return raw[_unpermute(np.arange(raw.shape[0]), heads[kind])] if kind in heads else raw
 
+    row_groups = {n.input[1]: {a.name: a.i for a in n.attribute}.get("row_group", 0)
+                  for n in model.graph.node if n.op_type == "GgufMatMul"}
+
+    def ungrouped(weight: str) -> np.ndarray:
+        """The stored blocks in the file's row order: a grouped matrix's 8 rows interleaved block by block (the
+        layout gguf_dot.h states), read back with numpy's own reshapes."""
+        blocks = stored[f"{weight}.gguf"]
+        group = row_groups.get(f"{weight}.gguf", 0)
+        if not group:
+            return blocks
+        n, row_bytes = blocks.shape
+        block_bytes = GGML_QUANT_SIZES[tensors[weight_types[weight]].tensor_type][1]
+        return blocks.reshape(n // group, row_bytes // block_bytes, group, block_bytes).transpose(0, 2, 1, 3) \
+            .reshape(n, row_bytes)
+
+    weight_types: dict[str, str] = {}
+
     def check(linear: str, names: list[str]) -> None:
-        """The linear's parts in output order: runs of one type; a block type's run is the file's bytes, any other
-        type's a MatMulNBits part."""
+        """The linear's parts in output order: runs of one type; a block type's run is the file's bytes (by groups
+        of 8 rows where the kernels dot a group at once, not in the head), any other type's a MatMulNBits part."""
         runs: list[list[str]] = []
         for name in names:
             if runs and tensors[runs[-1][-1]].tensor_type == tensors[name].tensor_type:
@@ -75,8 +93,13 @@ def test_every_linear_of_a_block_type_reads_the_files_own_blocks(kernel_family, 
                 runs.append([name])
         for j, run in enumerate(runs):
             weight = linear if len(runs) == 1 else f"{linear}.{j}"
-            if tensors[run[0]].tensor_type.name in BLOCK_TYPES:
-                assert np.array_equal(stored[f"{weight}.gguf"], np.concatenate([blocks(n) for n in run])), weight
+            qtype = tensors[run[0]].tensor_type.name
+            if qtype in BLOCK_TYPES:
+                weight_types[weight] = run[0]
+                n = sum(int(tensors[name].shape[-1]) for name in run)
+                grouped = qtype in kernels.GROUPED_TYPES and n % 8 == 0 and linear not in ("head_t", "embed")
+                assert row_groups.get(f"{weight}.gguf", 0) == (8 if grouped else 0), weight
+                assert np.array_equal(ungrouped(weight), np.concatenate([blocks(n) for n in run])), weight
             else:
                 # a MatMulNBits part (the embedding gathers its table under another name over the same bytes)
                 assert {f"{weight}.q", f"{weight}.table"} & set(inits) and f"{weight}.gguf" not in stored, weight
@@ -89,6 +112,7 @@ def test_every_linear_of_a_block_type_reads_the_files_own_blocks(kernel_family, 
         check(f"l{layer}.down", [b + "ffn_down.weight"])
     check("head_t", ["output.weight"])
     check("embed", ["token_embd.weight"])
+    assert any(row_groups.values())  # both files have Q5_0 layers (attn_output, or attn_k and ffn_up)
     gathers = {n.op_type for n in model.graph.node} & {"GgufGather", "GatherBlockQuantized"}
     assert gathers == {"GgufGather" if tensors["token_embd.weight"].tensor_type.name in BLOCK_TYPES
                        else "GatherBlockQuantized"}

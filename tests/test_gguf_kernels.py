@@ -21,10 +21,13 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.why_miss
 TYPES = [T[name] for name in kernels.TYPES]
 
 
-def op_model(op: str, *, qtype: T, n: int, k: int, x_shape: list, table: np.ndarray | None = None) -> bytes:
+def op_model(op: str, *, qtype: T, n: int, k: int, x_shape: list, table: np.ndarray | None = None,
+             row_group: int = 0) -> bytes:
     """One staticlm op; the weight is an input (GgufMatMul) or an initializer (GgufGather's table)."""
     if op == "GgufMatMul":
-        node = helper.make_node(op, ["x", "w"], ["y"], domain=kernels.DOMAIN, ggml_type=int(qtype), N=n, K=k)
+        grouping = {"row_group": row_group} if row_group else {}
+        node = helper.make_node(op, ["x", "w"], ["y"], domain=kernels.DOMAIN, ggml_type=int(qtype), N=n, K=k,
+                                **grouping)
         inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
                   helper.make_tensor_value_info("w", TensorProto.UINT8, None)]
         inits = []
@@ -67,17 +70,32 @@ def weights(qtype: T, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray
     return raw, dequantize(raw, qtype).reshape(n, k).astype(np.float64)
 
 
+def grouped(raw: np.ndarray, qtype: T) -> np.ndarray:
+    """The blocks [N, row bytes] stored as row_group 8 says (gguf_dot.h): each 8 rows' blocks interleaved, block b
+    of the group's row j at (8 b + j) blocks from the group's start."""
+    n, row_bytes = raw.shape
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    out = np.empty_like(raw).reshape(-1)
+    for row in range(n):
+        for b in range(row_bytes // block_bytes):
+            at = ((row // 8) * (row_bytes // block_bytes) * 8 + b * 8 + row % 8) * block_bytes
+            out[at:at + block_bytes] = raw[row, b * block_bytes:(b + 1) * block_bytes]
+    return out.reshape(n, row_bytes)
+
+
+@pytest.mark.parametrize("row_group", [0, 8], ids=["rows", "groups"])
 @pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_matmul_equals_ggufs_dequantization_times_the_quantized_activations(qtype, portable, monkeypatch):
+def test_matmul_equals_ggufs_dequantization_times_the_quantized_activations(qtype, portable, row_group, monkeypatch):
     monkeypatch.setenv("STATICLM_GGUF_PORTABLE", "1" if portable else "0")
-    # 45 weight rows: two whole tasks of 16 and one of 13; 10 activation rows: a whole tile of 8 and one of 2
-    n, k, m = 45, 768, 10
+    # 45 weight rows: two whole tasks of 16 and one of 13 (grouped: 40, two tasks and one of a single group);
+    # 10 activation rows: a whole tile of 8 and one of 2
+    n, k, m = 40 if row_group else 45, 768, 10
     raw, w = weights(qtype, n, k, seed=int(qtype))
     act_block = GGML_QUANT_SIZES[qtype][0]
     x = (np.random.default_rng(1).standard_normal((2, m // 2, k)) * np.linspace(0.1, 3, k)).astype(np.float32)
-    model = op_model("GgufMatMul", qtype=qtype, n=n, k=k, x_shape=[2, m // 2, k])
-    got = session(model).run(None, {"x": x, "w": raw})[0]
+    model = op_model("GgufMatMul", qtype=qtype, n=n, k=k, x_shape=[2, m // 2, k], row_group=row_group)
+    got = session(model).run(None, {"x": x, "w": grouped(raw, qtype) if row_group else raw})[0]
     assert got.shape == (2, m // 2, n)
     want = quantized_activations(x.reshape(m, k), act_block).astype(np.float64) @ w.T
     scale = np.abs(quantized_activations(x.reshape(m, k), act_block)) @ np.abs(w).T  # the products' magnitude
@@ -97,7 +115,7 @@ def test_gather_rows_are_ggufs_dequantization_bit_for_bit(qtype):
 
 
 def test_bad_shapes_and_ids_are_errors_not_crashes():
-    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
 
     raw, _w = weights(T.Q8_0, 8, 64, seed=3)
     matmul = session(op_model("GgufMatMul", qtype=T.Q8_0, n=8, k=64, x_shape=["m", "k"]))
@@ -105,6 +123,9 @@ def test_bad_shapes_and_ids_are_errors_not_crashes():
         matmul.run(None, {"x": np.zeros((1, 32), np.float32), "w": raw})
     with pytest.raises((Fail, InvalidArgument), match="not N rows"):
         matmul.run(None, {"x": np.zeros((1, 64), np.float32), "w": raw[:4]})
+    for n, row_group in ((8, 4), (12, 8)):  # the one grouping, over whole groups
+        with pytest.raises((Fail, InvalidArgument, RuntimeException), match="row_group must be 0, or 8"):
+            session(op_model("GgufMatMul", qtype=T.Q8_0, n=n, k=64, x_shape=["m", "k"], row_group=row_group))
     gather = session(op_model("GgufGather", qtype=T.Q8_0, n=8, k=64, x_shape=[1], table=raw))
     with pytest.raises((Fail, InvalidArgument), match="out of the table's range"):
         gather.run(None, {"ids": np.array([8], np.int64)})
@@ -121,13 +142,16 @@ def test_zero_rows_and_one_thread_agree_with_two_threads():
 
 
 
-@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_0, T.Q4_K], ids=lambda t: t.name)
-def test_a_rows_result_does_not_depend_on_the_other_rows(qtype):
+@pytest.mark.parametrize(("qtype", "row_group"), [(T.Q6_K, 0), (T.Q5_0, 0), (T.Q4_K, 0), (T.Q5_0, 8)],
+                         ids=["Q6_K", "Q5_0", "Q4_K", "Q5_0-groups"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(qtype, row_group):
     """Each row of x is quantized and dotted on its own, in the same order whatever the tile it falls in: greedy
     answers do not depend on the batch, the chunk or speculation through these ops (Q4_K and Q6_K have a pass of
-    their own for one row)."""
-    raw, _w = weights(qtype, 20, 512, seed=5)
-    run = session(op_model("GgufMatMul", qtype=qtype, n=20, k=512, x_shape=["m", 512])).run
+    their own for one row; a grouped Q5_0 matrix a dot of 8 weight rows at once)."""
+    n = 24 if row_group else 20
+    raw, _w = weights(qtype, n, 512, seed=5)
+    raw = grouped(raw, qtype) if row_group else raw
+    run = session(op_model("GgufMatMul", qtype=qtype, n=n, k=512, x_shape=["m", 512], row_group=row_group)).run
     x = np.random.default_rng(4).standard_normal((11, 512)).astype(np.float32)
     together = run(None, {"x": x, "w": raw})[0]
     for i in range(11):

@@ -52,8 +52,9 @@ class CpuLlamaGraph(LlamaGraph):
     def _matmul_nbits(self, x: str, part: MatMulPart, *, k: int) -> str:
         g = self.g
         if part.ggml_type is not None:  # the source's own blocks (runtime/kernels)
+            grouping = {"row_group": part.row_group} if part.row_group else {}
             return g.op("GgufMatMul", x, g.weight(f"{part.weight}.gguf"), domain=KERNEL_DOMAIN,
-                        ggml_type=part.ggml_type, N=part.n, K=k)
+                        ggml_type=part.ggml_type, N=part.n, K=k, **grouping)
         if part.bits == FLOAT_BITS:  # x [.., K] . W [N, K]^T, read in place
             return g.op("FusedMatMul", x, g.weight(f"{part.weight}.w"), domain=MS_DOMAIN, transB=1, alpha=1.0)
         inputs = [g.weight(f"{part.weight}.q"), g.weight(f"{part.weight}.scales")]

@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from staticlm.export.sources.gguf_grids import FloatWeight, WeightGrid
+from staticlm.runtime.kernels import GROUPED_TYPES, ROW_GROUP
 from staticlm.runtime.kernels import TYPES as KERNEL_TYPES
 
 from .quant import correction_rows
@@ -49,6 +51,7 @@ class MatMulPart:
     corrected: bool  # a float weight with the block-mean correction rows (K' = K + correction_rows)
     symmetric: bool  # a float weight rounded symmetrically (no .zp)
     ggml_type: int | None = None  # GgufMatMul over `{weight}.gguf` [N, row bytes], the source's own blocks
+    row_group: int = 0  # those blocks stored by groups of rows (group_rows), or 0: in the file's order
 
 
 @dataclass(frozen=True)
@@ -113,11 +116,25 @@ def reads_blocks(grid: WeightGrid | FloatWeight | None) -> bool:
     return isinstance(grid, WeightGrid) and grid.raw is not None and grid.qtype in BLOCK_TYPES
 
 
-def write_block_part(writer, weight: str, grid: WeightGrid) -> MatMulPart:
-    """A GGUF tensor's own blocks [N, row bytes], as the file has them (rows in HF order)."""
-    writer.add(f"{weight}.gguf", np.ascontiguousarray(grid.raw))
-    return MatMulPart(weight=weight, n=grid.shape[0], bits=grid.bits, block=grid.block, zero_points=False,
-                      corrected=False, symmetric=False, ggml_type=KERNEL_TYPES[grid.qtype])
+def write_block_part(writer, weight: str, grid: WeightGrid, *, head: bool) -> MatMulPart:
+    """A GGUF tensor's own blocks [N, row bytes] (rows in HF order): as the file has them, or grouped by ROW_GROUP
+    rows for a type the kernels dot a group at a time (not the head, whose table the embedding may gather from)."""
+    n = grid.shape[0]
+    row_group = ROW_GROUP if grid.qtype in GROUPED_TYPES and n % ROW_GROUP == 0 and not head else 0
+    _block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[grid.qtype]]
+    blocks = group_rows(grid.raw, block_bytes=block_bytes) if row_group else np.ascontiguousarray(grid.raw)
+    writer.add(f"{weight}.gguf", blocks)
+    return MatMulPart(weight=weight, n=n, bits=grid.bits, block=grid.block, zero_points=False, corrected=False,
+                      symmetric=False, ggml_type=KERNEL_TYPES[grid.qtype], row_group=row_group)
+
+
+def group_rows(raw: np.ndarray, *, block_bytes: int) -> np.ndarray:
+    """[N, row bytes] -> the same blocks by groups of ROW_GROUP rows, interleaved: block b of a group's row j at
+    (b ROW_GROUP + j) blocks from the group's start, so a group's 8 rows are read as one stream (gguf_dot.h).
+    Every block is kept whole: only their order changes."""
+    n, row_bytes = raw.shape
+    blocks = raw.reshape(n // ROW_GROUP, ROW_GROUP, row_bytes // block_bytes, block_bytes)  # [groups, 8, nb, bytes]
+    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, row_bytes)  # [groups, nb, 8, bytes]
 
 
 def write_grid_part(writer, weight: str, grid: WeightGrid | FloatWeight) -> MatMulPart:

@@ -106,7 +106,7 @@ def write_linear(writer: WeightFileWriter, name: str,
             ns += [g.shape[0] for g in grids]
             grid = concat_grids(grids)
             if kernels and reads_blocks(grid):
-                parts.append(write_block_part(writer, weight, grid))
+                parts.append(write_block_part(writer, weight, grid, head=head))
                 folded.update(id(g) for g in grids)
             elif _folds(grid, options, head=head, linear=name):
                 quant = BlockQuantizer(bits=grid.bits, block_size=grid.block, symmetric=False,

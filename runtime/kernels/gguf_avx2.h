@@ -6,6 +6,7 @@
 #define HAS_X86 1
 int have_avx2(void);
 DotFn avx2_dot(int type);
+GroupDotFn avx2_group_dot(int type);
 float dot_k4_one(const uint8_t* w, const ActRow* a, int k, int five); /* one activation row */
 float dot_q6_k_one(const uint8_t* w, const ActRow* a, int k);
 void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums);

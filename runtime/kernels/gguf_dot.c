@@ -182,6 +182,14 @@ DotFn dot_function(int type, int portable) {
   return NULL;
 }
 
+GroupDotFn group_dot_function(int type, int portable) {
+#if HAS_X86
+  if (!portable && have_avx2()) return avx2_group_dot(type);
+#endif
+  (void)type, (void)portable;
+  return NULL;
+}
+
 /* ---- dequantization (gguf-py's arithmetic, so a gathered row equals gguf's dequantization bit for bit) -------- */
 
 void dequantize_row(int type, const uint8_t* w, int k, float* y) {

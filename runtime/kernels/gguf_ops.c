@@ -1,8 +1,10 @@
 /* ONNX Runtime custom ops over a GGUF tensor's own blocks (domain "staticlm"), so a `--target cpu` family reads
  * the file's bytes per step instead of wider MatMulNBits containers:
  *
- *   GgufMatMul(x [.., K] float, w [N, row_bytes] uint8; ggml_type, N, K) -> [.., N] float: x . W^T, every row of x
- *     quantized to 8 bits per activation block once per call, output rows split across ORT's intra-op threads;
+ *   GgufMatMul(x [.., K] float, w [N, row_bytes] uint8; ggml_type, N, K, row_group) -> [.., N] float: x . W^T, every
+ *     row of x quantized to 8 bits per activation block once per call, output rows split across ORT's intra-op
+ *     threads; row_group 8 (optional, default 0): w's rows stored by groups of 8 with their blocks interleaved
+ *     (gguf_dot.h: the same blocks, another order), N a multiple of 8;
  *   GgufGather(table [V, row_bytes] uint8, ids [..] int64; ggml_type, K) -> [.., K] float: rows dequantized as
  *     gguf does (the tied embedding reads the head's bytes).
  *
@@ -15,7 +17,8 @@
 #include "gguf_dot.h"
 
 #define API_VERSION 17 /* KernelContext_ParallelFor: ORT 1.17 */
-#define ROWS_PER_TASK 16
+#define ROWS_PER_TASK 16 /* a multiple of GROUP */
+_Static_assert(ROWS_PER_TASK % GROUP == 0, "tasks hold whole groups");
 #define QUANTIZE_IN_PARALLEL 8 /* x's rows from which their quantizing is split over the threads too */
 #define MAX_RANK 8
 
@@ -37,6 +40,8 @@ typedef struct {
   BlockFormat format;
   int64_t n, k, row_bytes;
   DotFn dot;
+  GroupDotFn group_dot; /* NULL: a grouped matrix's rows are copied out and dotted one by one */
+  int64_t row_group;    /* 0 (rows as the file has them) or GROUP */
   int portable; /* the portable dots and activation rounding (tests compare them with the vector ones) */
 } Kernel;
 
@@ -45,11 +50,20 @@ static OrtStatus* read_kernel(const OrtKernelInfo* info, const char* op, int wit
   TRY(api->KernelInfoGetAttribute_int64(info, "ggml_type", &type));
   TRY(api->KernelInfoGetAttribute_int64(info, "K", &k));
   if (with_n) TRY(api->KernelInfoGetAttribute_int64(info, "N", &n));
+  OrtStatus* absent = with_n ? api->KernelInfoGetAttribute_int64(info, "row_group", &kernel->row_group) : NULL;
+  if (absent != NULL) { /* an optional attribute */
+    api->ReleaseStatus(absent);
+    kernel->row_group = 0;
+  }
+  if (kernel->row_group != 0 && (kernel->row_group != GROUP || n % GROUP != 0)) {
+    return fail(op, "row_group must be 0, or 8 with N a multiple of 8");
+  }
   if (!block_format((int)type, &kernel->format)) return fail(op, "unsupported ggml_type");
   if (k <= 0 || k % kernel->format.block_elems != 0) return fail(op, "K is not a whole number of blocks");
   const char* portable = getenv("STATICLM_GGUF_PORTABLE");
   kernel->portable = portable != NULL && portable[0] == '1';
   kernel->dot = dot_function((int)type, kernel->portable);
+  kernel->group_dot = kernel->row_group ? group_dot_function((int)type, kernel->portable) : NULL;
   kernel->n = n;
   kernel->k = k;
   kernel->row_bytes = k / kernel->format.block_elems * kernel->format.block_bytes;
@@ -125,8 +139,25 @@ static void matmul_task(void* data, size_t task) {
       a[r] = (ActRow){job->q + row * kn->k, job->d + row * scales, job->sums + row * (kn->k / 16),
                       job->scaled + row * (kn->k / 32)};
     }
-    for (int64_t col = first; col < last; col++) {
-      kn->dot(job->w + col * kn->row_bytes, a, rows, (int)kn->k, job->y + r0 * kn->n + col, kn->n);
+    float* y = job->y + r0 * kn->n;
+    if (!kn->row_group) {
+      for (int64_t col = first; col < last; col++) kn->dot(job->w + col * kn->row_bytes, a, rows, (int)kn->k, y + col, kn->n);
+      continue;
+    }
+    for (int64_t col = first; col < last; col += GROUP) { /* a group starts where its first row would */
+      const uint8_t* group = job->w + col * kn->row_bytes;
+      if (kn->group_dot != NULL) {
+        kn->group_dot(group, a, rows, (int)kn->k, y + col, kn->n);
+        continue;
+      }
+      uint8_t row[kn->row_bytes]; /* one row copied out of the group: K / 32 blocks, tens of kilobytes at most */
+      for (int j = 0; j < GROUP; j++) {
+        for (int64_t b = 0; b < kn->row_bytes / kn->format.block_bytes; b++) {
+          memcpy(row + b * kn->format.block_bytes, group + (b * GROUP + j) * kn->format.block_bytes,
+                 (size_t)kn->format.block_bytes);
+        }
+        kn->dot(row, a, rows, (int)kn->k, y + col + j, kn->n);
+      }
     }
   }
 }
