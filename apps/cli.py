@@ -93,6 +93,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     k.add_argument("--per-graph", action="store_true",
                    help="one context per graph (what the x86_64 emulator loads) instead of one shared binary "
                         "whose graphs share their weights (ep.share_ep_contexts; for the device)")
+    k.add_argument("--graphs", default=None, metavar="PATTERN",
+                   help="with --per-graph: only the graphs whose file names match this shell pattern, e.g. "
+                        "'decode_s1024*' (the ones a run at one context loads)")
     k.add_argument("--quiet", action="store_true")
     b = sub.add_parser("bench", help="decode/prefill speed, KV strategies and BMC microbenchmark, against the peers")
     b.add_argument("--model", type=Path, default=None, help="exported model directory (default: the embedded SmolLM2)")
@@ -163,7 +166,8 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "compile":
         from staticlm.apps.commands.compile import run_compile
 
-        run_compile(model=args.model, soc_model=args.soc_model, per_graph=args.per_graph, quiet=args.quiet)
+        run_compile(model=args.model, soc_model=args.soc_model, per_graph=args.per_graph, graphs=args.graphs,
+                    quiet=args.quiet)
         return 0
     if args.command == "bench":
         from staticlm.apps.bench.command import run_bench_command

@@ -508,9 +508,31 @@ def test_compile_per_graph_contexts_are_what_later_loads_use(tiny_q16, tmp_path)
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == compiled  # nothing new, nothing rewritten
 
 
+@pytest.mark.htp
+def test_compile_graphs_compiles_only_the_graphs_that_match(tiny_q16, tmp_path):
+    """`--graphs 'decode_*'`: those graphs' contexts, each reported against the SoC's limit, and no other."""
+    directory = _htp_copy(tiny_q16, tmp_path)
+    proc = staticlm("compile", "--model", directory, "--per-graph", "--graphs", "decode_*")
+    assert proc.returncode == 0, proc.stderr
+    decodes = {p.stem for p in directory.glob("decode_*.onnx")}
+    assert decodes and len(decodes) < len(list(directory.glob("*.onnx")))
+    compiled = {p.name.split(".")[0] for p in (directory / ".qnn_cache").glob("*_ctx.onnx")}
+    assert compiled == decodes
+    reported = [line for line in proc.stdout.splitlines() if line.startswith("context ")]
+    assert sorted(line.split()[1].rstrip(":") for line in reported) == sorted(decodes)
+    assert all("bytes of weights of" in line and "(within)" in line for line in reported)
+
+
 def test_compile_refuses_a_float_family(tiny_family, tmp_path):
     assert_one_line_error(staticlm("compile", "--model", tiny_family), "not an HTP family")
     assert_one_line_error(staticlm("compile", "--model", tmp_path / "none"), "does not exist")
+
+
+def test_compile_graphs_names_the_graphs_when_none_match(tiny_q16, tmp_path):
+    directory = _htp_copy(tiny_q16, tmp_path)
+    assert_one_line_error(staticlm("compile", "--model", directory, "--per-graph", "--graphs", "nothing*"),
+                          "matches --graphs 'nothing*' (its graphs: decode_s")
+    assert_one_line_error(staticlm("compile", "--model", directory, "--graphs", "decode_*"), "needs --per-graph")
 
 
 # -- SmolLM2 on the CPU EP ---------------------------------------------------------------------------------

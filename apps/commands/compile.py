@@ -3,6 +3,7 @@ emulator) pays for graph finalization."""
 from __future__ import annotations
 
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 
 from rich.console import Console
@@ -29,13 +30,23 @@ def _binaries_mb(directory: Path, *, per_graph: bool) -> float:
     return sum(p.stat().st_size for p in directory.glob(f"{SHARED_PREFIX}*/*.bin")) / 1e6
 
 
-def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: bool = False) -> Path:
+def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, graphs: str | None = None,
+                quiet: bool = False) -> Path:
+    """graphs: a shell pattern over the graph files' names (`decode_s1024*`): only those, each its own context."""
     manifest = load_manifest(model)  # a missing, corrupt or foreign-version family fails here, in one line
     if manifest.quant is None:
         raise InvalidOption(f"{model} is not an HTP family (its graphs are float or CPU-only): "
                         "export it with --target htp first")
     options = DeviceOptions(**({"soc_model": soc_model} if soc_model else {}))
     files = family_graph_files(model)
+    if graphs is not None:
+        if not per_graph:
+            raise InvalidOption("--graphs needs --per-graph: a shared context holds every graph of its part, as the "
+                                "device loads it")
+        files = tuple(f for f in files if fnmatch(f.stem, graphs) or fnmatch(f.name, graphs))
+        if not files:
+            names = sorted({f.stem.split(".part")[0] for f in family_graph_files(model)})
+            raise InvalidOption(f"no graph of {model} matches --graphs {graphs!r} (its graphs: {', '.join(names)})")
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=Console(stderr=True), disable=quiet) as progress:
@@ -47,12 +58,16 @@ def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: b
         def done(f: Path) -> None:
             progress.update(task, advance=1, description=f"compiled {f.stem}")
 
-        compile_ = compile_graph_contexts if per_graph else compile_shared_context
-        out = compile_(model, options=options, on_graph=done)
+        if per_graph:
+            out = compile_graph_contexts(model, options=options, on_graph=done, files=files)
+        else:
+            out = compile_shared_context(model, options=options, on_graph=done)
     if not quiet:
         print(f"compiled {len(files)} graphs of {model} into {out} ({_binaries_mb(out, per_graph=per_graph):.1f} MB "
               f"of context binaries) in {time.perf_counter() - t0:.1f} s")
-        for line in context_report(model, soc_model=options.soc_model):
+        report = graph_report(files, soc_model=options.soc_model) if graphs is not None else \
+            context_report(model, soc_model=options.soc_model)
+        for line in report:
             print(line)
         if not per_graph and EMULATOR:
             print("note: the x86_64 emulator cannot load a multi-graph context; it is for the device. "
@@ -60,16 +75,30 @@ def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, quiet: b
     return out
 
 
+def _limit(soc_model: str) -> int | None:
+    try:
+        return max_context_weight_bytes(soc_model)
+    except UserError:  # a SoC with no known limit: the bytes alone
+        return None
+
+
+def _against(size: int, limit: int | None) -> str:
+    return "" if limit is None else f" of {limit} ({'OVER' if size > limit else 'within'})"
+
+
+def graph_report(files: tuple[Path, ...], *, soc_model: str) -> list[str]:
+    """One line per compiled graph (its own context): the weight bytes it holds, against the SoC's limit."""
+    limit, sizes = _limit(soc_model), {f: sum(external_bytes((f,)).values()) for f in files}
+    return [f"context {f.stem}: {size} bytes of weights{_against(size, limit)}" for f, size in sizes.items()]
+
+
 def context_report(model: Path, *, soc_model: str) -> list[str]:
     """One line per shared context (context_groups): its graphs and the weight bytes they hold, against the SoC's
     limit (what --per-graph contexts also hold, one graph at a time)."""
-    try:
-        limit = max_context_weight_bytes(soc_model)
-    except UserError:  # a SoC with no known limit: the bytes alone
-        limit = None
+    limit = _limit(soc_model)
     lines = []
     for k, files in enumerate(context_groups(model)):
         size = sum(external_bytes(files).values())
-        over = "" if limit is None else f" of {limit} ({'OVER' if size > limit else 'within'})"
-        lines.append(f"context {k}: {len(files)} graphs ({files[0].name} ...), {size} bytes of weights{over}")
+        lines.append(f"context {k}: {len(files)} graphs ({files[0].name} ...), {size} bytes of weights"
+                     f"{_against(size, limit)}")
     return lines

@@ -224,12 +224,14 @@ def _compile_group(files: tuple[Path, ...], *, options: DeviceOptions,
 
 
 def compile_graph_contexts(model_dir: Path, *, options: DeviceOptions,
-                           on_graph: Callable[[Path], None] | None = None) -> Path:
-    """Each graph of the family into its own cached context (what the x86_64 emulator loads), so that no later
-    load pays for graph finalization. Graphs already compiled are skipped. Returns the cache directory."""
+                           on_graph: Callable[[Path], None] | None = None,
+                           files: tuple[Path, ...] | None = None) -> Path:
+    """Each graph of the family (or those of files) into its own cached context (what the x86_64 emulator loads),
+    so that no later load pays for graph finalization. Graphs already compiled are skipped. Returns the cache
+    directory."""
     model_dir = Path(model_dir)
     cache_dir = model_dir / ".qnn_cache"
-    for f in family_graph_files(model_dir):
+    for f in family_graph_files(model_dir) if files is None else files:
         _create_htp_session(f, options=options, cache_dir=cache_dir, use_shared=False)
         if on_graph is not None:
             on_graph(f)
