@@ -71,23 +71,10 @@ AVX2 static INLINE void group_dot_q_0(const uint8_t* w, const ActRow* a, const i
   for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * stride, acc[r]);
 }
 
-#define GROUP_TILED(name, call)                                                                             \
-  AVX2 static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) {       \
-    switch (rows) {                                                                                          \
-      case 8: call(8); return;                                                                               \
-      case 7: call(7); return;                                                                               \
-      case 6: call(6); return;                                                                               \
-      case 5: call(5); return;                                                                               \
-      case 4: call(4); return;                                                                               \
-      case 3: call(3); return;                                                                               \
-      case 2: call(2); return;                                                                               \
-      default: call(1); return;                                                                              \
-    }                                                                                                        \
-  }
 #define Q4_0_GROUP(n) group_dot_q_0(w, a, n, k, out, stride, 0)
 #define Q5_0_GROUP(n) group_dot_q_0(w, a, n, k, out, stride, 1)
-GROUP_TILED(group_q4_0_avx2, Q4_0_GROUP)
-GROUP_TILED(group_q5_0_avx2, Q5_0_GROUP)
+TILED(group_q4_0_avx2, Q4_0_GROUP)
+TILED(group_q5_0_avx2, Q5_0_GROUP)
 
 GroupDotFn avx2_group_dot(int type) {
   switch (type) {

@@ -55,3 +55,18 @@ AVX2 static INLINE __m256i broadcast16(int low_lane_index, int high_lane_index) 
   const __m128i hi = _mm_set1_epi16((short)(high_lane_index * 2 | (high_lane_index * 2 + 1) << 8));
   return _mm256_set_m128i(hi, lo);
 }
+
+/* one function per type and tile height (a DotFn or GroupDotFn), so each loop over rows has a constant count */
+#define TILED(name, call)                                                                                    \
+  AVX2 static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) { \
+    switch (rows) {                                                                                          \
+      case 8: call(8); return;                                                                               \
+      case 7: call(7); return;                                                                               \
+      case 6: call(6); return;                                                                               \
+      case 5: call(5); return;                                                                               \
+      case 4: call(4); return;                                                                               \
+      case 3: call(3); return;                                                                               \
+      case 2: call(2); return;                                                                               \
+      default: call(1); return;                                                                              \
+    }                                                                                                        \
+  }

@@ -152,20 +152,6 @@ AVX2 static INLINE void dot_q6_k_rows(const uint8_t* w, const ActRow* a, const i
   for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]);
 }
 
-/* one function per type and tile height, so each loop over rows has a constant count */
-#define TILED(name, call)                                                                                    \
-  AVX2 static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) { \
-    switch (rows) {                                                                                          \
-      case 8: call(8); return;                                                                               \
-      case 7: call(7); return;                                                                               \
-      case 6: call(6); return;                                                                               \
-      case 5: call(5); return;                                                                               \
-      case 4: call(4); return;                                                                               \
-      case 3: call(3); return;                                                                               \
-      case 2: call(2); return;                                                                               \
-      default: call(1); return;                                                                              \
-    }                                                                                                        \
-  }
 #define Q4_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q4_0)
 #define Q5_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q5_0)
 #define Q4_1_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q4_1)
