@@ -73,10 +73,11 @@ static void levels32(int type, const uint8_t* w, int q[32]) {
   }
 }
 
-static float dot_32(int type, const uint8_t* w, ActRow a, int k) {
+/* blocks_apart: 1 for a row as the file has it, GROUP for a row of a grouped matrix (gguf_dot.h), read in place */
+static float dot_32(int type, const uint8_t* w, ActRow a, int k, int blocks_apart) {
   const Block32 f = block32(type);
   float total = 0.0f;
-  for (int b = 0; b < k / QK_0; b++, w += f.bytes) {
+  for (int b = 0; b < k / QK_0; b++, w += f.bytes * blocks_apart) {
     int q[32], sum = 0;
     levels32(type, w, q);
     for (int i = 0; i < 32; i++) sum += (q[i] - f.mid) * a.q[b * 32 + i];
@@ -86,11 +87,11 @@ static float dot_32(int type, const uint8_t* w, ActRow a, int k) {
   return total;
 }
 
-static float dot_q4_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q4_0, w, a, k); }
-static float dot_q5_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q5_0, w, a, k); }
-static float dot_q4_1(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q4_1, w, a, k); }
-static float dot_q5_1(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q5_1, w, a, k); }
-static float dot_q8_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q8_0, w, a, k); }
+static float dot_q4_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q4_0, w, a, k, 1); }
+static float dot_q5_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q5_0, w, a, k, 1); }
+static float dot_q4_1(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q4_1, w, a, k, 1); }
+static float dot_q5_1(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q5_1, w, a, k, 1); }
+static float dot_q8_0(const uint8_t* w, ActRow a, int k) { return dot_32(GGML_Q8_0, w, a, k, 1); }
 
 /* Q4_K and Q5_K: sub-block j of 32 is 4 low bits from qs (64 inputs per 32 bytes, low nibbles first) and, for
  * Q5_K, bit j of qh[l]; w = d sc_j q - dmin m_j. */
@@ -182,11 +183,25 @@ DotFn dot_function(int type, int portable) {
   return NULL;
 }
 
+/* a group's rows one by one, each read in place (its blocks GROUP apart): the same sums as a plain row's */
+#define PORTABLE_GROUP(name, type)                                                                              \
+  static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) {         \
+    for (int j = 0; j < GROUP; j++) {                                                                           \
+      for (int r = 0; r < rows; r++) out[r * stride + j] = dot_32(type, w + j * block32(type).bytes, a[r], k, GROUP); \
+    }                                                                                                           \
+  }
+PORTABLE_GROUP(group_q4_0, GGML_Q4_0)
+PORTABLE_GROUP(group_q5_0, GGML_Q5_0)
+
 GroupDotFn group_dot_function(int type, int portable) {
 #if HAS_X86
   if (!portable && have_avx2()) return avx2_group_dot(type);
 #endif
-  (void)type, (void)portable;
+  (void)portable;
+  switch (type) {
+    case GGML_Q4_0: return group_q4_0;
+    case GGML_Q5_0: return group_q5_0;
+  }
   return NULL;
 }
 

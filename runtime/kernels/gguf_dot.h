@@ -15,8 +15,8 @@ DotFn dot_function(int type, int portable);
  * a group is read as one stream. w: a group's start; out[r * stride + j] = row j . a[r] for j < GROUP. */
 #define GROUP 8
 typedef void (*GroupDotFn)(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride);
-/* the group dot (AVX2 only), or NULL where the type has none or portable is set: the rows are then copied out of
- * the group one by one and dotted with the type's DotFn */
+/* the group dot (AVX2, or the portable rows read in place), or NULL where the type has none: the rows are then
+ * copied out of the group one by one and dotted with the type's DotFn */
 GroupDotFn group_dot_function(int type, int portable);
 
 /* x [k] -> q [k] int8, d [k / act_block] (q * d ~ x), sums [k / 16] (each 16 levels summed), scaled [k / 32]
