@@ -76,8 +76,25 @@ def test_every_linear_of_a_block_type_reads_the_files_own_blocks(kernel_family, 
         if not group:
             return blocks
         n, row_bytes = blocks.shape
-        block_bytes = GGML_QUANT_SIZES[tensors[weight_types[weight]].tensor_type][1]
-        return blocks.reshape(n // group, row_bytes // block_bytes, group, block_bytes).transpose(0, 2, 1, 3) \
+        qtype = tensors[weight_types[weight]].tensor_type
+        block_bytes = GGML_QUANT_SIZES[qtype][1]
+        by_block = blocks.reshape(n // group, row_bytes // block_bytes, group * block_bytes)  # [G, nb, 8 blocks]
+        slots = [((j >> 1) & 1, (j & 1) | (j >> 2) << 1) for j in range(8)]  # row j's (half, slot)
+        if qtype == T.Q4_K:  # the group block's parts back into each row's block
+            g, nb = by_block.shape[:2]
+            d, dmin = by_block[..., :16].reshape(g, nb, 8, 2), by_block[..., 16:32].reshape(g, nb, 8, 2)
+            scales = by_block[..., 32:128].reshape(g, nb, 3, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 12)
+            qs = by_block[..., 128:].reshape(g, nb, 4, 4, 2, 4, 8)  # [G, nb, chunk, eighth, half, slot, 8]
+            qs = np.stack([qs[:, :, :, :, h, i] for h, i in slots], axis=2).reshape(g, nb, 8, 128)
+            by_block = np.concatenate([d, dmin, scales, qs], axis=3)  # [G, nb, 8, 144]
+        if qtype == T.Q6_K:
+            g, nb = by_block.shape[:2]
+            d, scales = by_block[..., :16].reshape(g, nb, 8, 2), by_block[..., 16:144].reshape(g, nb, 16, 8)
+            levels = by_block[..., 144:].reshape(g, nb, 2, 3, 4, 2, 4, 8)  # [G, nb, half, part, eighth, h, slot, 8]
+            levels = np.stack([levels[:, :, :, :, :, h, i] for h, i in slots], axis=2)  # [G, nb, 8, 2, 3, 4, 8]
+            ql, qh = levels[:, :, :, :, :2].reshape(g, nb, 8, 128), levels[:, :, :, :, 2].reshape(g, nb, 8, 64)
+            by_block = np.concatenate([ql, qh, scales.swapaxes(2, 3), d], axis=3)  # [G, nb, 8, 210]
+        return by_block.reshape(n // group, row_bytes // block_bytes, group, block_bytes).transpose(0, 2, 1, 3) \
             .reshape(n, row_bytes)
 
     weight_types: dict[str, str] = {}
@@ -112,7 +129,10 @@ def test_every_linear_of_a_block_type_reads_the_files_own_blocks(kernel_family, 
         check(f"l{layer}.down", [b + "ffn_down.weight"])
     check("head_t", ["output.weight"])
     check("embed", ["token_embd.weight"])
-    assert any(row_groups.values())  # both files have Q5_0 layers (attn_output, or attn_k and ffn_up)
+    # both files have Q5_0 layers (attn_output, or attn_k and ffn_up), and the Q4_K_M file Q4_K and Q6_K ones
+    grouped_types = {tensors[weight_types[w.removesuffix(".gguf")]].tensor_type.name
+                     for w, group in row_groups.items() if group}
+    assert grouped_types == {"Q5_0", "Q4_K", "Q6_K"} & {t.name for t in FILES[path.stem.removeprefix("tiny-")].values()}
     gathers = {n.op_type for n in model.graph.node} & {"GgufGather", "GatherBlockQuantized"}
     assert gathers == {"GgufGather" if tensors["token_embd.weight"].tensor_type.name in BLOCK_TYPES
                        else "GatherBlockQuantized"}

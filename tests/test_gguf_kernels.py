@@ -71,16 +71,42 @@ def weights(qtype: T, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray
 
 
 def grouped(raw: np.ndarray, qtype: T) -> np.ndarray:
-    """The blocks [N, row bytes] stored as row_group 8 says (gguf_dot.h): each 8 rows' blocks interleaved, block b
-    of the group's row j at (8 b + j) blocks from the group's start."""
+    """The blocks [N, row bytes] stored as row_group 8 says (gguf_dot.h), written out byte by byte: each 8 rows'
+    blocks interleaved, block b of the group's row j at (8 b + j) blocks from the group's start; for Q4_K and Q6_K
+    those 8 blocks as one group block (d, [dmin], scales, then the levels by chunk, eighth, half and slot)."""
     n, row_bytes = raw.shape
     block_bytes = GGML_QUANT_SIZES[qtype][1]
     out = np.empty_like(raw).reshape(-1)
     for row in range(n):
+        j = row % 8
         for b in range(row_bytes // block_bytes):
-            at = ((row // 8) * (row_bytes // block_bytes) * 8 + b * 8 + row % 8) * block_bytes
-            out[at:at + block_bytes] = raw[row, b * block_bytes:(b + 1) * block_bytes]
+            at = ((row // 8) * (row_bytes // block_bytes) * 8 + b * 8) * block_bytes  # the 8 blocks b of the group
+            block = raw[row, b * block_bytes:(b + 1) * block_bytes]
+            if qtype == T.Q4_K:
+                out[at + 2 * j:at + 2 * j + 2] = block[0:2]  # d
+                out[at + 16 + 2 * j:at + 18 + 2 * j] = block[2:4]  # dmin
+                for u in range(3):  # the scale bytes' words
+                    out[at + 32 + 4 * (8 * u + j):at + 36 + 4 * (8 * u + j)] = block[4 + 4 * u:8 + 4 * u]
+                for chunk in range(4):
+                    place_levels(out, at + 128 + 256 * chunk, block[16 + 32 * chunk:], j)
+            elif qtype == T.Q6_K:
+                out[at + 2 * j:at + 2 * j + 2] = block[208:210]  # d
+                for s in range(16):
+                    out[at + 16 + 8 * s + j] = block[192 + s]
+                for t in range(2):  # ql's two 32s of this half, then its qh
+                    for part, start in enumerate((64 * t, 64 * t + 32, 128 + 32 * t)):
+                        place_levels(out, at + 144 + 768 * t + 256 * part, block[start:], j)
+            else:
+                out[at + j * block_bytes:at + (j + 1) * block_bytes] = block
     return out.reshape(n, row_bytes)
+
+
+def place_levels(out: np.ndarray, to: int, levels: np.ndarray, j: int) -> None:
+    """32 level bytes of a group's row j at `to`, by eighths: eighth e at 64 e + 32 half + 8 slot (gguf_dot.h)"""
+    half, slot = (j >> 1) & 1, (j & 1) | (j >> 2) << 1
+    for eighth in range(4):
+        at = to + 64 * eighth + 32 * half + 8 * slot
+        out[at:at + 8] = levels[8 * eighth:8 * eighth + 8]
 
 
 @pytest.mark.parametrize("row_group", [0, 8], ids=["rows", "groups"])
@@ -142,12 +168,13 @@ def test_zero_rows_and_one_thread_agree_with_two_threads():
 
 
 
-@pytest.mark.parametrize(("qtype", "row_group"), [(T.Q6_K, 0), (T.Q5_0, 0), (T.Q4_K, 0), (T.Q5_0, 8)],
-                         ids=["Q6_K", "Q5_0", "Q4_K", "Q5_0-groups"])
+@pytest.mark.parametrize(("qtype", "row_group"), [(T.Q6_K, 0), (T.Q5_0, 0), (T.Q4_K, 0), (T.Q5_0, 8), (T.Q4_K, 8),
+                                              (T.Q6_K, 8)],
+                         ids=["Q6_K", "Q5_0", "Q4_K", "Q5_0-groups", "Q4_K-groups", "Q6_K-groups"])
 def test_a_rows_result_does_not_depend_on_the_other_rows(qtype, row_group):
     """Each row of x is quantized and dotted on its own, in the same order whatever the tile it falls in: greedy
     answers do not depend on the batch, the chunk or speculation through these ops (Q4_K and Q6_K have a pass of
-    their own for one row; a grouped Q5_0 matrix a dot of 8 weight rows at once)."""
+    their own for one row; a grouped matrix a dot of 8 weight rows at once)."""
     n = 24 if row_group else 20
     raw, _w = weights(qtype, n, 512, seed=5)
     raw = grouped(raw, qtype) if row_group else raw

@@ -36,6 +36,9 @@ OFFSET_BLOCK = 32  # every type with minima has 32-input blocks
 # run them faster than ours at small models' shapes.
 BLOCK_TYPES = frozenset({"Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 FLOAT_BITS = 32
+# a Q4_K group block's level bytes (gguf_dot.h): slot i of half h holds row K4_SLOTS[h, i], so that one vector of
+# 32 bytes is 8 levels of 4 rows and the sums of a half come back in row order through one hadd
+K4_SLOTS = np.array([[0, 1, 4, 5], [2, 3, 6, 7]])
 
 
 @dataclass(frozen=True)
@@ -121,20 +124,42 @@ def write_block_part(writer, weight: str, grid: WeightGrid, *, head: bool) -> Ma
     rows for a type the kernels dot a group at a time (not the head, whose table the embedding may gather from)."""
     n = grid.shape[0]
     row_group = ROW_GROUP if grid.qtype in GROUPED_TYPES and n % ROW_GROUP == 0 and not head else 0
-    _block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[grid.qtype]]
-    blocks = group_rows(grid.raw, block_bytes=block_bytes) if row_group else np.ascontiguousarray(grid.raw)
+    blocks = group_rows(grid.raw, qtype=grid.qtype) if row_group else np.ascontiguousarray(grid.raw)
     writer.add(f"{weight}.gguf", blocks)
     return MatMulPart(weight=weight, n=n, bits=grid.bits, block=grid.block, zero_points=False, corrected=False,
                       symmetric=False, ggml_type=KERNEL_TYPES[grid.qtype], row_group=row_group)
 
 
-def group_rows(raw: np.ndarray, *, block_bytes: int) -> np.ndarray:
-    """[N, row bytes] -> the same blocks by groups of ROW_GROUP rows, interleaved: block b of a group's row j at
-    (b ROW_GROUP + j) blocks from the group's start, so a group's 8 rows are read as one stream (gguf_dot.h).
-    Every block is kept whole: only their order changes."""
+def group_rows(raw: np.ndarray, *, qtype: str) -> np.ndarray:
+    """[N, row bytes] -> the same bytes by groups of ROW_GROUP rows (gguf_dot.h), so a group's 8 rows are read as
+    one stream: block b of a group's row j at (b ROW_GROUP + j) blocks from the group's start; for Q4_K and Q6_K,
+    those 8 blocks rearranged as one group block whose levels need no shuffle. Every byte is kept: only moved."""
     n, row_bytes = raw.shape
-    blocks = raw.reshape(n // ROW_GROUP, ROW_GROUP, row_bytes // block_bytes, block_bytes)  # [groups, 8, nb, bytes]
-    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, row_bytes)  # [groups, nb, 8, bytes]
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
+    num_groups, num_blocks = n // ROW_GROUP, row_bytes // block_bytes
+    blocks = raw.reshape(num_groups, ROW_GROUP, num_blocks, block_bytes).transpose(0, 2, 1, 3)  # [G, nb, 8, bytes]
+    shape = (num_groups, num_blocks, ROW_GROUP)
+    if qtype == "Q4_K":
+        d, dmin = blocks[..., 0:2], blocks[..., 2:4]  # [G, nb, 8, 2] float16 bytes
+        words = blocks[..., 4:16].reshape(*shape, 3, 4).swapaxes(2, 3)  # [G, nb, 3, 8, 4]
+        qs = blocks[..., 16:].reshape(*shape, 4, 4, 8)  # [G, nb, row, chunk, eighth, 8]
+        parts = (d, dmin, words, slotted(qs))
+    elif qtype == "Q6_K":
+        scales = blocks[..., 192:208].swapaxes(2, 3)  # [G, nb, 16, 8]
+        ql = blocks[..., :128].reshape(*shape, 2, 2, 4, 8)  # [G, nb, row, half, 32 bytes of 64, eighth, 8]
+        qh = blocks[..., 128:192].reshape(*shape, 2, 1, 4, 8)
+        parts = (blocks[..., 208:210], scales, slotted(np.concatenate([ql, qh], axis=4)))
+    else:
+        return np.ascontiguousarray(blocks).reshape(n, row_bytes)
+    return np.concatenate([p.reshape(num_groups, num_blocks, -1) for p in parts], axis=2).reshape(n, row_bytes)
+
+
+def slotted(levels: np.ndarray) -> np.ndarray:
+    """[G, nb, row, ..., eighth, 8] level bytes -> [G, nb, ..., eighth, half, slot, 8]: 32 bytes of 4 rows at a time
+    (gguf_dot.h), row K4_SLOTS[half, slot]."""
+    by_slot = levels[:, :, K4_SLOTS]  # [G, nb, half, slot, ..., eighth, 8]
+    order = list(range(by_slot.ndim))
+    return by_slot.transpose(0, 1, *order[4:-1], 2, 3, order[-1])
 
 
 def write_grid_part(writer, weight: str, grid: WeightGrid | FloatWeight) -> MatMulPart:

@@ -18,10 +18,11 @@ LIBRARY = Path(__file__).with_name("libstaticlm_gguf.so")
 _BUILD_NOTE = Path(__file__).with_name(".build-note")
 # the ggml types the ops read (gguf_blocks.h), by GGMLQuantizationType name
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-# GgufMatMul's row_group: a matrix stored by groups of ROW_GROUP rows, their blocks interleaved (gguf_dot.h), for
-# the types with a dot over a group at once (gguf_avx2_group.c: a block's float work shared by 8 rows)
+# GgufMatMul's row_group: a matrix stored by groups of ROW_GROUP rows, their blocks interleaved (gguf_dot.h; Q4_K's and
+# Q6_K's rearranged within), for the types with a dot over a group at once (gguf_avx2_group.c: a block's unpacking and
+# float work shared by 8 rows)
 ROW_GROUP = 8
-GROUPED_TYPES = frozenset({"Q4_0", "Q5_0"})
+GROUPED_TYPES = frozenset({"Q4_0", "Q5_0", "Q4_K", "Q6_K"})
 
 
 class KernelsMissing(UserError):

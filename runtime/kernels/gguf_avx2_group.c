@@ -71,15 +71,183 @@ AVX2 static INLINE void group_dot_q_0(const uint8_t* w, const ActRow* a, const i
   for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * stride, acc[r]);
 }
 
+/* pshufb mask: int16 lanes 0..3 of each 128-bit lane take byte 4 (2 h) + s of that lane's dwords, lanes 4..7 byte
+ * 4 (2 h + 1) + s: from 8 rows' 4 scale bytes (dword j % 4 of lane j / 4), rows 2h, 2h+1 | 2h+4, 2h+5 as int16 */
+AVX2 static INLINE __m256i scale_pick(int h, int s) {
+  const short first = (short)(0x8000 | (8 * h + s)), second = (short)(0x8000 | (8 * h + 4 + s));
+  const __m128i lane = _mm_setr_epi16(first, first, first, first, second, second, second, second);
+  return _mm256_set_m128i(lane, lane);
+}
+
+/* bytes b, b + 1 of each dword -> int16 pair (zero-extended) */
+AVX2 static INLINE __m256i byte_pair(__m256i v, int b) {
+  const __m256i low = _mm256_set1_epi32(0xff), high = _mm256_set1_epi32(0xff0000);
+  const __m256i shifted = _mm256_srli_epi32(v, 8 * b);
+  return _mm256_or_si256(_mm256_and_si256(shifted, low), _mm256_and_si256(_mm256_slli_epi32(shifted, 8), high));
+}
+
+/* Q4_K over a group block (gguf_dot.h): the 8 rows' 6-bit scales are unpacked in one pass of vector words, the
+ * levels need only a mask and a shift (the exporter placed them), and each activation row's sums for the 8 rows
+ * come out as one vector: sub-block products in int16 over 4 eighths (at most 8 x 15 x 127 per lane), times each
+ * row's scale into int32; the minima's sum m . (x's sub-block sums) in integers too, as the portable dot does. */
+AVX2 static INLINE void group_dot_q4_k(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
+                                       int64_t stride) {
+  const __m256i m4 = _mm256_set1_epi8(15), low6 = _mm256_set1_epi32(0x3f3f3f3f);
+  const __m256i low4 = _mm256_set1_epi32(0x0f0f0f0f), low2 = _mm256_set1_epi32(0x03030303);
+  __m256 acc[TILE];
+  for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < k / QK_K; b++, w += K4_GROUP_BYTES) {
+    const __m256i u0 = _mm256_loadu_si256((const __m256i*)(w + 32)), u1 = _mm256_loadu_si256((const __m256i*)(w + 64));
+    const __m256i u2 = _mm256_loadu_si256((const __m256i*)(w + 96)); /* [8] rows' scale words (k4_scales) */
+    const __m256i scales[2] = {
+        _mm256_and_si256(u0, low6),
+        _mm256_or_si256(_mm256_and_si256(u2, low4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), low2), 4))};
+    const __m256i minima_lo = _mm256_and_si256(u1, low6);
+    const __m256i minima_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), low4),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), low2), 4));
+    const __m256i minima[4] = {byte_pair(minima_lo, 0), byte_pair(minima_lo, 2), byte_pair(minima_hi, 0),
+                               byte_pair(minima_hi, 2)}; /* [8] rows: (m 2p, m 2p + 1) as int16 */
+    __m256i levels[8][4][2], spread[8][2]; /* [sub-block][eighth][half]: 32 levels of 4 rows; the rows' scales */
+    for (int c = 0; c < 4; c++) {
+      for (int v = 0; v < 8; v++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + 128 + 256 * c + 32 * v));
+        levels[2 * c][v / 2][v % 2] = _mm256_and_si256(raw, m4);
+        levels[2 * c + 1][v / 2][v % 2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      }
+    }
+    for (int s = 0; s < 8; s++) {
+      for (int h = 0; h < 2; h++) spread[s][h] = _mm256_shuffle_epi8(scales[s / 4], scale_pick(h, s % 4));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));
+    for (int r = 0; r < rows; r++) {
+      const int8_t* x = a[r].q + b * QK_K;
+      __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int s = 0; s < 8; s++) {
+        __m256i eighths[4];
+        for (int e = 0; e < 4; e++) {
+          int64_t eighth;
+          memcpy(&eighth, x + 32 * s + 8 * e, 8);
+          eighths[e] = _mm256_set1_epi64x(eighth);
+        }
+        for (int h = 0; h < 2; h++) {
+          const __m256i p = _mm256_add_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(levels[s][0][h], eighths[0]),
+                               _mm256_maddubs_epi16(levels[s][1][h], eighths[1])),
+              _mm256_add_epi16(_mm256_maddubs_epi16(levels[s][2][h], eighths[2]),
+                               _mm256_maddubs_epi16(levels[s][3][h], eighths[3])));
+          isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(p, spread[s][h]));
+        }
+      }
+      /* x's 8 sub-block sums as int16 (S0..S3 | S4..S7 in each lane's low half), taken two at a time */
+      const __m256i pairs = _mm256_hadd_epi16(_mm256_loadu_si256((const __m256i*)(a[r].sums + b * 16)),
+                                              _mm256_setzero_si256());
+      __m256i msum = _mm256_setzero_si256();
+      for (int p = 0; p < 4; p++) {
+        const __m256i xp = _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(p / 2 * 4 + p % 2));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(minima[p], xp));
+      }
+      const __m256 ad = _mm256_set1_ps(a[r].d[b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(isum[0], isum[1])), _mm256_mul_ps(d, ad), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[r]);
+    }
+  }
+  for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * stride, acc[r]);
+}
+
+/* pshufb mask over 8 rows' int16 values (rows 0..7 in each 128-bit lane): int16 lanes 0..3 of the low lane take
+ * row 2h, lanes 4..7 row 2h + 1; in the high lane rows 2h + 4 and 2h + 5 */
+AVX2 static INLINE __m256i row_pick16(int h) {
+  const short first = (short)(4 * h | (4 * h + 1) << 8), second = (short)((4 * h + 2) | (4 * h + 3) << 8);
+  const short fifth = (short)((4 * h + 8) | (4 * h + 9) << 8), sixth = (short)((4 * h + 10) | (4 * h + 11) << 8);
+  return _mm256_set_m128i(_mm_setr_epi16(fifth, fifth, fifth, fifth, sixth, sixth, sixth, sixth),
+                          _mm_setr_epi16(first, first, first, first, second, second, second, second));
+}
+
+/* Q6_K over a group block (gguf_dot.h): the 8 rows' 6-bit levels need masks and shifts only, each 16 inputs' products
+ * stay in int16 over 2 eighths (at most 4 x 63 x 127 per lane) before the rows' scales, and the levels' offset 32 is
+ * taken off once per super-block as -32 sc . (x's sums of 16), as the portable dot does. */
+AVX2 static INLINE void group_dot_q6_k(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
+                                       int64_t stride) {
+  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+  const __m256i pick[2] = {row_pick16(0), row_pick16(1)};
+  __m256 acc[TILE];
+  for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < k / QK_K; b++, w += Q6_GROUP_BYTES) {
+    __m256i levels[8][4][2], spread[16][2], pairs[8]; /* [sub-block of 32][eighth][half]; [16s][half]; [8] rows */
+    for (int s = 0; s < 16; s++) { /* the 8 rows' scale s as int16, in both lanes, then spread over the halves */
+      const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w + 16 + 8 * s))));
+      for (int h = 0; h < 2; h++) spread[s][h] = _mm256_shuffle_epi8(sc, pick[h]);
+    }
+    for (int p = 0; p < 8; p++) { /* [8] rows: (scale 2p, scale 2p + 1) as int16 */
+      const __m128i v = _mm_loadu_si128((const __m128i*)(w + 16 + 16 * p));
+      pairs[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
+    }
+    for (int t = 0; t < 2; t++) {
+      const uint8_t* half = w + 144 + 768 * t;
+      for (int v = 0; v < 8; v++) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i*)(half + 32 * v));
+        const __m256i hi = _mm256_loadu_si256((const __m256i*)(half + 256 + 32 * v));
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(half + 512 + 32 * v));
+        __m256i* const q[4] = {&levels[4 * t][v / 2][v % 2], &levels[4 * t + 1][v / 2][v % 2],
+                               &levels[4 * t + 2][v / 2][v % 2], &levels[4 * t + 3][v / 2][v % 2]};
+        *q[0] = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+        *q[1] = _mm256_or_si256(_mm256_and_si256(hi, m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+        *q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+        *q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    for (int r = 0; r < rows; r++) {
+      const int8_t* x = a[r].q + b * QK_K;
+      __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int u = 0; u < 8; u++) {
+        __m256i eighths[4];
+        for (int e = 0; e < 4; e++) {
+          int64_t eighth;
+          memcpy(&eighth, x + 32 * u + 8 * e, 8);
+          eighths[e] = _mm256_set1_epi64x(eighth);
+        }
+        for (int h = 0; h < 2; h++) {
+          const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(levels[u][0][h], eighths[0]),
+                                                 _mm256_maddubs_epi16(levels[u][1][h], eighths[1]));
+          const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(levels[u][2][h], eighths[2]),
+                                                  _mm256_maddubs_epi16(levels[u][3][h], eighths[3]));
+          isum[h] = _mm256_add_epi32(isum[h], _mm256_add_epi32(_mm256_madd_epi16(first, spread[2 * u][h]),
+                                                               _mm256_madd_epi16(second, spread[2 * u + 1][h])));
+        }
+      }
+      __m256i offset = _mm256_setzero_si256();
+      for (int p = 0; p < 8; p++) {
+        int32_t sums;
+        memcpy(&sums, a[r].sums + b * 16 + 2 * p, 4);
+        offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[p], _mm256_set1_epi32(sums)));
+      }
+      const __m256i total = _mm256_sub_epi32(_mm256_hadd_epi32(isum[0], isum[1]), _mm256_slli_epi32(offset, 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a[r].d[b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * stride, acc[r]);
+}
+
 #define Q4_0_GROUP(n) group_dot_q_0(w, a, n, k, out, stride, 0)
 #define Q5_0_GROUP(n) group_dot_q_0(w, a, n, k, out, stride, 1)
 TILED(group_q4_0_avx2, Q4_0_GROUP)
 TILED(group_q5_0_avx2, Q5_0_GROUP)
+#define Q4_K_GROUP(n) group_dot_q4_k(w, a, n, k, out, stride)
+TILED(group_q4_k_avx2, Q4_K_GROUP)
+#define Q6_K_GROUP(n) group_dot_q6_k(w, a, n, k, out, stride)
+TILED(group_q6_k_avx2, Q6_K_GROUP)
 
 GroupDotFn avx2_group_dot(int type) {
   switch (type) {
     case GGML_Q4_0: return group_q4_0_avx2;
     case GGML_Q5_0: return group_q5_0_avx2;
+    case GGML_Q4_K: return group_q4_k_avx2;
+    case GGML_Q6_K: return group_q6_k_avx2;
   }
   return NULL;
 }

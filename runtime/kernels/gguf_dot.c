@@ -193,6 +193,42 @@ DotFn dot_function(int type, int portable) {
 PORTABLE_GROUP(group_q4_0, GGML_Q4_0)
 PORTABLE_GROUP(group_q5_0, GGML_Q5_0)
 
+/* 32 bytes of row j placed as a group block's chunks are (gguf_dot.h), copied back in order */
+static void chunk_row(const uint8_t* chunk, int j, uint8_t* out) {
+  const int h = (j >> 1) & 1, i = (j & 1) | (j >> 2) << 1;
+  for (int e = 0; e < 4; e++) memcpy(out + 8 * e, chunk + 64 * e + 32 * h + 8 * i, 8);
+}
+
+void k4_group_block(const uint8_t* g, int j, uint8_t block[144]) {
+  memcpy(block, g + 2 * j, 2);
+  memcpy(block + 2, g + 16 + 2 * j, 2);
+  for (int u = 0; u < 3; u++) memcpy(block + 4 + 4 * u, g + 32 + 4 * (8 * u + j), 4);
+  for (int c = 0; c < 4; c++) chunk_row(g + 128 + 256 * c, j, block + 16 + 32 * c);
+}
+
+void q6_group_block(const uint8_t* g, int j, uint8_t block[210]) {
+  memcpy(block + 208, g + 2 * j, 2);
+  for (int s = 0; s < 16; s++) block[192 + s] = g[16 + 8 * s + j];
+  for (int t = 0; t < 2; t++) {
+    const uint8_t* half = g + 144 + 768 * t;
+    chunk_row(half, j, block + 64 * t);
+    chunk_row(half + 256, j, block + 64 * t + 32);
+    chunk_row(half + 512, j, block + 128 + 32 * t);
+  }
+}
+
+/* Q4_K, Q6_K by groups: each row's blocks put back as the file has them, then the plain row's dot (the same sums) */
+#define PORTABLE_BLOCK_GROUP(name, block_bytes, group_bytes, unpack, single)                                  \
+  static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) {         \
+    uint8_t row[(k / QK_K) * block_bytes]; /* K / 256 blocks: tens of kilobytes at most */                  \
+    for (int j = 0; j < GROUP; j++) {                                                                         \
+      for (int b = 0; b < k / QK_K; b++) unpack(w + b * group_bytes, j, row + b * block_bytes);              \
+      for (int r = 0; r < rows; r++) out[r * stride + j] = single(row, a[r], k);                             \
+    }                                                                                                         \
+  }
+PORTABLE_BLOCK_GROUP(group_q4_k, 144, K4_GROUP_BYTES, k4_group_block, dot_q4_k)
+PORTABLE_BLOCK_GROUP(group_q6_k, 210, Q6_GROUP_BYTES, q6_group_block, dot_q6_k)
+
 GroupDotFn group_dot_function(int type, int portable) {
 #if HAS_X86
   if (!portable && have_avx2()) return avx2_group_dot(type);
@@ -201,6 +237,8 @@ GroupDotFn group_dot_function(int type, int portable) {
   switch (type) {
     case GGML_Q4_0: return group_q4_0;
     case GGML_Q5_0: return group_q5_0;
+    case GGML_Q4_K: return group_q4_k;
+    case GGML_Q6_K: return group_q6_k;
   }
   return NULL;
 }

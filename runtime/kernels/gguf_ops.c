@@ -4,7 +4,7 @@
  *   GgufMatMul(x [.., K] float, w [N, row_bytes] uint8; ggml_type, N, K, row_group) -> [.., N] float: x . W^T, every
  *     row of x quantized to 8 bits per activation block once per call, output rows split across ORT's intra-op
  *     threads; row_group 8 (optional, default 0): w's rows stored by groups of 8 with their blocks interleaved
- *     (gguf_dot.h: the same blocks, another order), N a multiple of 8;
+ *     (gguf_dot.h: the same bytes in another order; Q4_K's and Q6_K's as group blocks), N a multiple of 8;
  *   GgufGather(table [V, row_bytes] uint8, ids [..] int64; ggml_type, K) -> [.., K] float: rows dequantized as
  *     gguf does (the tied embedding reads the head's bytes).
  *
