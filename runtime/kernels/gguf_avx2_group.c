@@ -20,18 +20,24 @@ AVX2 static INLINE void interleave_eighths(const __m256i rows[GROUP], __m256i ou
   }
 }
 
+/* x's 32 levels as 4 eighths, each 8 levels repeated over a vector (one per 4 rows' 8 levels it multiplies) */
+AVX2 static INLINE void broadcast_eighths(const int8_t* x, __m256i out[4]) {
+  for (int e = 0; e < 4; e++) {
+    int64_t eighth;
+    memcpy(&eighth, x + 8 * e, 8);
+    out[e] = _mm256_set1_epi64x(eighth);
+  }
+}
+
 /* x's 32 levels dotted with 8 weight rows' interleaved levels: [8] int32, one lane per row. Each eighth of x is
  * broadcast against 4 rows' eighths; the products stay in int16 over the 4 eighths (8 products of at most 31 x 127
  * per lane), then int32. */
 AVX2 static INLINE __m256i dot_eighths(const __m256i levels[4][2], const int8_t* x) {
-  __m256i half_sums[2];
+  __m256i half_sums[2], eighths[4];
+  broadcast_eighths(x, eighths);
   for (int half = 0; half < 2; half++) {
     __m256i s = _mm256_setzero_si256();
-    for (int e = 0; e < 4; e++) {
-      int64_t eighth;
-      memcpy(&eighth, x + 8 * e, 8);
-      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(levels[e][half], _mm256_set1_epi64x(eighth)));
-    }
+    for (int e = 0; e < 4; e++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(levels[e][half], eighths[e]));
     half_sums[half] = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
   }
   return _mm256_hadd_epi32(half_sums[0], half_sums[1]);
@@ -125,11 +131,7 @@ AVX2 static INLINE void group_dot_q4_k(const uint8_t* w, const ActRow* a, const 
       __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       for (int s = 0; s < 8; s++) {
         __m256i eighths[4];
-        for (int e = 0; e < 4; e++) {
-          int64_t eighth;
-          memcpy(&eighth, x + 32 * s + 8 * e, 8);
-          eighths[e] = _mm256_set1_epi64x(eighth);
-        }
+        broadcast_eighths(x + 32 * s, eighths);
         for (int h = 0; h < 2; h++) {
           const __m256i p = _mm256_add_epi16(
               _mm256_add_epi16(_mm256_maddubs_epi16(levels[s][0][h], eighths[0]),
@@ -206,11 +208,7 @@ AVX2 static INLINE void group_dot_q6_k(const uint8_t* w, const ActRow* a, const 
       __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       for (int u = 0; u < 8; u++) {
         __m256i eighths[4];
-        for (int e = 0; e < 4; e++) {
-          int64_t eighth;
-          memcpy(&eighth, x + 32 * u + 8 * e, 8);
-          eighths[e] = _mm256_set1_epi64x(eighth);
-        }
+        broadcast_eighths(x + 32 * u, eighths);
         for (int h = 0; h < 2; h++) {
           const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(levels[u][0][h], eighths[0]),
                                                  _mm256_maddubs_epi16(levels[u][1][h], eighths[1]));
