@@ -5,7 +5,9 @@ Two forms, both under the family's `.qnn_cache`:
   by every later load. This is what runs on the x86_64 HTP emulator.
 - shared (`shared.<key>/`): every graph of the family compiled into ONE context binary in one session
   group (`ep.share_ep_contexts`, the last session with `ep.stop_share_ep_contexts`), so the weights the
-  graphs have in common are stored and loaded once. QNN compiles this offline on x86_64 for a device; the
+  graphs have in common are stored and loaded once. The session group itself turns on QNN's HTP weight sharing
+  (the QNN EP enables it on the context it shares while compiling; no provider option is needed, and the
+  compile test checks that the binary holds the weights once). QNN compiles this offline on x86_64 for a device; the
   device loads it with `ep.share_ep_contexts` so each session takes its graph from the one binary.
   The x86_64 emulator (seen with onnxruntime-qnn 2.7.0, QAIRT 2.51) crashes with a null call inside
   libQnnHtp.so when it deserializes any context holding more than one graph (with or without weight
