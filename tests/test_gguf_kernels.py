@@ -6,6 +6,8 @@ rounded half to even). The vector and the portable dots are both checked.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import pytest
@@ -197,3 +199,22 @@ def test_a_family_that_needs_the_kernels_says_so_in_one_line_where_they_are_miss
     with pytest.raises(UserError, match="--gguf-kernels on: .*make kernels"):
         ExportRequest(target="cpu", gguf_kernels="on")
     assert ExportRequest(target="cpu").cpu_options().gguf_kernels is False  # MatMulNBits where they are missing
+
+
+def test_a_library_older_than_its_sources_is_refused_in_one_line(monkeypatch, tmp_path):
+    """A checkout updated without `make kernels` keeps the old library, which may not know the layouts the
+    exporter now writes (it would compute wrong sums): running a family is refused until it is rebuilt."""
+    from staticlm.errors import UserError
+
+    library, source = tmp_path / "libstaticlm_gguf.so", tmp_path / "gguf_dot.c"
+    library.write_bytes(b"")
+    source.write_text("")
+    monkeypatch.setattr(kernels, "LIBRARY", library)
+    os.utime(source, (1_000_000, 1_000_000))
+    os.utime(library, (2_000_000, 2_000_000))
+    kernels.check_family((kernels.DOMAIN,))  # built after its sources
+    os.utime(source, (3_000_000, 3_000_000))
+    with pytest.raises(UserError, match=r"older than their sources \(gguf_dot.c\): run `make kernels`") as e:
+        kernels.check_family((kernels.DOMAIN,))
+    assert "\n" not in str(e.value)
+    kernels.check_family(())  # a family without the ops does not care

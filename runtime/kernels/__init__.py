@@ -25,6 +25,10 @@ ROW_GROUP = 8
 GROUPED_TYPES = frozenset({"Q4_0", "Q5_0", "Q4_K", "Q6_K"})
 
 
+# sources written within this many seconds of the library count as its own (an installer writes them all at once)
+STALE_AFTER_S = 2.0
+
+
 class KernelsMissing(UserError):
     pass
 
@@ -38,11 +42,26 @@ def why_missing() -> str:
     return f"staticlm's GGUF kernels are missing ({note}): run `make kernels`"
 
 
+def stale_sources() -> list[str]:
+    """The C sources beside the library (a source checkout) changed since it was built: a library older than the
+    exporter's layouts (a grouped type it does not know, say) would compute wrong sums, not fail."""
+    if not LIBRARY.is_file():
+        return []
+    built = LIBRARY.stat().st_mtime + STALE_AFTER_S
+    return sorted(p.name for p in LIBRARY.parent.iterdir() if p.suffix in (".c", ".h") and p.stat().st_mtime > built)
+
+
 def check_family(custom_ops: tuple[str, ...]) -> None:
-    """A family whose graphs read GGUF blocks (its manifest's custom_ops name DOMAIN) needs the library."""
-    if DOMAIN in custom_ops and not available():
+    """A family whose graphs read GGUF blocks (its manifest's custom_ops name DOMAIN) needs the library, built from
+    the sources beside it."""
+    if DOMAIN not in custom_ops:
+        return
+    if not available():
         raise KernelsMissing(f"this family reads GGUF blocks with {why_missing()}, or re-export it with "
                              "--gguf-kernels off")
+    if stale := stale_sources():
+        raise KernelsMissing(f"staticlm's GGUF kernels are older than their sources ({', '.join(stale[:3])}"
+                             f"{', ...' if len(stale) > 3 else ''}): run `make kernels`")
 
 
 def register(options: ort.SessionOptions) -> None:
