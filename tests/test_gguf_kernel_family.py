@@ -129,10 +129,11 @@ def test_every_linear_of_a_block_type_reads_the_files_own_blocks(kernel_family, 
         check(f"l{layer}.down", [b + "ffn_down.weight"])
     check("head_t", ["output.weight"])
     check("embed", ["token_embd.weight"])
-    # both files have Q5_0 layers (attn_output, or attn_k and ffn_up), and the Q4_K_M file Q4_K and Q6_K ones
+    # the grouped types of each file: Q5_0 in both, Q4_1 and Q5_1 in the legacy one, Q4_K and Q6_K in the Q4_K_M one
     grouped_types = {tensors[weight_types[w.removesuffix(".gguf")]].tensor_type.name
                      for w, group in row_groups.items() if group}
-    assert grouped_types == {"Q5_0", "Q4_K", "Q6_K"} & {t.name for t in FILES[path.stem.removeprefix("tiny-")].values()}
+    file_types = {t.name for t in FILES[path.stem.removeprefix("tiny-")].values()}
+    assert grouped_types == {"Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"} & file_types
     gathers = {n.op_type for n in model.graph.node} & {"GgufGather", "GatherBlockQuantized"}
     assert gathers == {"GgufGather" if tensors["token_embd.weight"].tensor_type.name in BLOCK_TYPES
                        else "GatherBlockQuantized"}

@@ -171,8 +171,8 @@ def test_zero_rows_and_one_thread_agree_with_two_threads():
 
 
 @pytest.mark.parametrize(("qtype", "row_group"), [(T.Q6_K, 0), (T.Q5_0, 0), (T.Q4_K, 0), (T.Q5_0, 8), (T.Q4_K, 8),
-                                              (T.Q6_K, 8)],
-                         ids=["Q6_K", "Q5_0", "Q4_K", "Q5_0-groups", "Q4_K-groups", "Q6_K-groups"])
+                                              (T.Q6_K, 8), (T.Q4_1, 8)],
+                         ids=["Q6_K", "Q5_0", "Q4_K", "Q5_0-groups", "Q4_K-groups", "Q6_K-groups", "Q4_1-groups"])
 def test_a_rows_result_does_not_depend_on_the_other_rows(qtype, row_group):
     """Each row of x is quantized and dotted on its own, in the same order whatever the tile it falls in: greedy
     answers do not depend on the batch, the chunk or speculation through these ops (Q4_K and Q6_K have a pass of

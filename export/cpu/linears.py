@@ -32,10 +32,10 @@ from .quant import correction_rows
 OFFSET_BLOCK = 32  # every type with minima has 32-input blocks
 # The GGUF types whose own blocks the kernels read in the exported graphs (runtime/kernels reads more): those whose
 # MatMulNBits form is far wider than the file (8-bit levels for 5 and 6 bits, float scales and offsets per 16 or
-# 32), and Q8_0, whose MatMulNBits form is prepacked into a second copy (a tied table is then held twice: its
-# rows for the embedding's gather, its packed form for the head). Q4_0 and Q4_1 keep MatMulNBits, whose form is
-# close to their blocks' size and whose kernels (MLAS) run them faster than ours at small models' shapes.
-BLOCK_TYPES = frozenset({"Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+# 32), and Q4_1 and Q8_0, whose MatMulNBits forms are prepacked into a second copy (a tied table is then held twice:
+# its rows for the embedding's gather, its packed form for the head). Q4_0 keeps MatMulNBits, whose form is its
+# blocks' size.
+BLOCK_TYPES = frozenset({"Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 FLOAT_BITS = 32
 # a Q4_K group block's level bytes (gguf_dot.h): slot i of half h holds row K4_SLOTS[h, i], so that one vector of
 # 32 bytes is 8 levels of 4 rows and the sums of a half come back in row order through one hadd

@@ -22,7 +22,7 @@ TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_
 # Q6_K's rearranged within), for the types with a dot over a group at once (gguf_avx2_group.c: a block's unpacking and
 # float work shared by 8 rows)
 ROW_GROUP = 8
-GROUPED_TYPES = frozenset({"Q4_0", "Q5_0", "Q4_K", "Q6_K"})
+GROUPED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"})
 
 
 # sources written within this many seconds of the library count as its own (an installer writes them all at once)

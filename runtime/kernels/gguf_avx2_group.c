@@ -43,35 +43,38 @@ AVX2 static INLINE __m256i dot_eighths(const __m256i levels[4][2], const int8_t*
   return _mm256_hadd_epi32(half_sums[0], half_sums[1]);
 }
 
-/* Q4_0, Q5_0 over a group. A block's levels for the 8 rows are unpacked and interleaved once (kept in L1 for the
- * tile's activation rows); each activation row's sums come out as one vector whose lanes are the weight rows, so a
- * block's float work (one conversion, one multiply-add) is shared by the 8 rows rather than done for each, and
- * w = d (q - mid) is taken off exactly in integers. */
-AVX2 static INLINE void group_dot_q_0(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
-                                      int64_t stride, const int five) {
-  const int bytes = five ? 22 : 18, head = five ? 6 : 2, mid = five ? 16 : 8;
+/* Q4_0, Q5_0, Q4_1, Q5_1 over a group. A block's levels for the 8 rows are unpacked and interleaved once (kept in L1
+ * for the tile's activation rows); each activation row's sums come out as one vector whose lanes are the weight
+ * rows, so a block's float work (one conversion, one multiply-add) is shared by the 8 rows rather than done for
+ * each. w = d (q - mid) is taken off exactly in integers; w = d q + m (minimum) adds m times the row's scaled sum. */
+AVX2 static INLINE void group_dot_32(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
+                                     int64_t stride, const int five, const int minimum) {
+  const int head = 2 + 2 * minimum + 4 * five, bytes = head + 16, mid = minimum ? 0 : five ? 16 : 8;
   const __m256i sixteen = _mm256_set1_epi8(16);
   __m256 acc[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < k / QK_0; b++) {
-    uint16_t scales[GROUP];
+    uint16_t scales[GROUP], minima[GROUP];
     __m256i q[GROUP], levels[4][2];
     for (int j = 0; j < GROUP; j++) {
       const uint8_t* p = w + (b * GROUP + j) * bytes;
       memcpy(&scales[j], p, 2);
+      if (minimum) memcpy(&minima[j], p + 2, 2);
       q[j] = nibbles32(p + head);
       if (five) {
         uint32_t qh;
-        memcpy(&qh, p + 2, 4);
+        memcpy(&qh, p + head - 4, 4);
         q[j] = _mm256_or_si256(q[j], _mm256_and_si256(bit_bytes(qh), sixteen));
       }
     }
     interleave_eighths(q, levels);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scales));
+    const __m256 m = minimum ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)minima)) : _mm256_setzero_ps();
     for (int r = 0; r < rows; r++) {
       __m256i sums = dot_eighths(levels, a[r].q + b * 32); /* [8] rows' q . x */
-      sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(mid * (a[r].sums[2 * b] + a[r].sums[2 * b + 1])));
+      if (!minimum) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(mid * (a[r].sums[2 * b] + a[r].sums[2 * b + 1])));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(a[r].d[b])), acc[r]);
+      if (minimum) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a[r].scaled[b]), acc[r]);
     }
   }
   for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * stride, acc[r]);
@@ -231,10 +234,14 @@ AVX2 static INLINE void group_dot_q6_k(const uint8_t* w, const ActRow* a, const 
   for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * stride, acc[r]);
 }
 
-#define Q4_0_GROUP(n) group_dot_q_0(w, a, n, k, out, stride, 0)
-#define Q5_0_GROUP(n) group_dot_q_0(w, a, n, k, out, stride, 1)
+#define Q4_0_GROUP(n) group_dot_32(w, a, n, k, out, stride, 0, 0)
+#define Q5_0_GROUP(n) group_dot_32(w, a, n, k, out, stride, 1, 0)
+#define Q4_1_GROUP(n) group_dot_32(w, a, n, k, out, stride, 0, 1)
+#define Q5_1_GROUP(n) group_dot_32(w, a, n, k, out, stride, 1, 1)
 TILED(group_q4_0_avx2, Q4_0_GROUP)
 TILED(group_q5_0_avx2, Q5_0_GROUP)
+TILED(group_q4_1_avx2, Q4_1_GROUP)
+TILED(group_q5_1_avx2, Q5_1_GROUP)
 #define Q4_K_GROUP(n) group_dot_q4_k(w, a, n, k, out, stride)
 TILED(group_q4_k_avx2, Q4_K_GROUP)
 #define Q6_K_GROUP(n) group_dot_q6_k(w, a, n, k, out, stride)
@@ -244,6 +251,8 @@ GroupDotFn avx2_group_dot(int type) {
   switch (type) {
     case GGML_Q4_0: return group_q4_0_avx2;
     case GGML_Q5_0: return group_q5_0_avx2;
+    case GGML_Q4_1: return group_q4_1_avx2;
+    case GGML_Q5_1: return group_q5_1_avx2;
     case GGML_Q4_K: return group_q4_k_avx2;
     case GGML_Q6_K: return group_q6_k_avx2;
   }

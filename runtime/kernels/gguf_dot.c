@@ -192,6 +192,8 @@ DotFn dot_function(int type, int portable) {
   }
 PORTABLE_GROUP(group_q4_0, GGML_Q4_0)
 PORTABLE_GROUP(group_q5_0, GGML_Q5_0)
+PORTABLE_GROUP(group_q4_1, GGML_Q4_1)
+PORTABLE_GROUP(group_q5_1, GGML_Q5_1)
 
 /* 32 bytes of row j placed as a group block's chunks are (gguf_dot.h), copied back in order */
 static void chunk_row(const uint8_t* chunk, int j, uint8_t* out) {
@@ -237,6 +239,8 @@ GroupDotFn group_dot_function(int type, int portable) {
   switch (type) {
     case GGML_Q4_0: return group_q4_0;
     case GGML_Q5_0: return group_q5_0;
+    case GGML_Q4_1: return group_q4_1;
+    case GGML_Q5_1: return group_q5_1;
     case GGML_Q4_K: return group_q4_k;
     case GGML_Q6_K: return group_q6_k;
   }
