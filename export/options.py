@@ -75,9 +75,11 @@ class ExportRequest:
                                      "folded (integer zero points and the remainder in correction rows: weights "
                                      "within a few hundredths of a step, faster decode; the default model's "
                                      "first-run export uses it)", choices=tuple(m.value for m in GridMinima))
-    gguf_kernels: str | None = option(None, "with --target cpu, a GGUF source: on (default where staticlm's kernels "
-                                      "are built, `make kernels`) keeps each tensor's own blocks, read by staticlm's "
-                                      "kernels, so a step reads the file's bytes; off: ORT's MatMulNBits containers",
+    gguf_kernels: str | None = option(None, "with --target cpu: on (default where staticlm's kernels are built, "
+                                      "`make kernels`) keeps each GGUF tensor's own blocks, read by staticlm's "
+                                      "kernels, so a step reads the file's bytes, and attends with staticlm's own "
+                                      "attention (greedy answers the same in every graph kind); off: ORT's "
+                                      "MatMulNBits containers and GroupQueryAttention",
                                       choices=("on", "off"))
     quant: str | None = option(None, "with --target htp: w8a16 (default), w4a16, or kv (KV only)",
                                choices=(Quant.W8A16.value, Quant.W4A16.value, Quant.KV_ONLY.value))
@@ -170,7 +172,8 @@ class ExportRequest:
             raise InvalidOption(f"--gguf-kernels on: {kernels.why_missing()}")
         use_kernels = kernels.available() if self.gguf_kernels is None else self.gguf_kernels == "on"
         base = CpuOptions(bits=bits, attention=attention, grid_minima=GridMinima(self.grid_minima or "exact"),
-                          kv_dtype=self.kv_dtype or default_kv_dtype(), gguf_kernels=use_kernels)
+                          kv_dtype=self.kv_dtype or default_kv_dtype(), gguf_kernels=use_kernels,
+                          staticlm_attention=use_kernels)
         if not self.calib:
             return base
         return dataclasses.replace(base, calib_steps=self.calib_steps or base.calib_steps, gptq=self.gptq_options())

@@ -73,8 +73,9 @@ class RunOptions:
                                     "the family's segmented graphs (cpu families) instead of its own copy: about "
                                     "1/n of the KV memory, a cheaper step on long prompts, a dearer one on short "
                                     "ones", reloads=True)
-    lone_rows: bool = option(False, "let a decode step run one row alone (cpu families): faster decode, but a "
-                             "greedy answer may then change with the prompt cache, the batch or speculation",
+    lone_rows: bool = option(False, "let a decode step run one row alone (cpu families without staticlm's "
+                             "kernels, whose rows need no pairing): faster decode, but a greedy answer may then "
+                             "change with the prompt cache, the batch or speculation",
                              reloads=True)
     speculate: str = option("none", "speculative decoding: none, lookup or draft:DIR", reloads=True)
     draft_len: int | None = option(None, "fixed draft length (default: BASS's dynamic one)", low=1, reloads=True)

@@ -193,6 +193,22 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """arch -> (HF dir, transformers model, GGUF path) of a tiny random model (tiny_archs.py), built on first use."""
+    import tiny_archs
+
+    built: dict = {}
+
+    def get(arch: str):
+        if arch not in built:
+            root = tmp_path_factory.mktemp(arch)
+            model = tiny_archs.build(arch, root / "hf")
+            built[arch] = (root / "hf", model, tiny_archs.write_gguf(model, root / f"{arch}.gguf", arch=arch))
+        return built[arch]
+    return get
+
+
 @pytest.fixture(scope="session")
 def smollm2_loaded():
     from staticlm.export.sources import load_model
@@ -212,8 +228,8 @@ def smollm2_family(smollm2_loaded, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_cpu_family(smollm2_loaded, tmp_path_factory) -> Path:
-    """The default model as `--target cpu` writes it (one in-place graph for every shape; its GGUF blocks read by
-    staticlm's kernels where they are built), a 512-token context."""
+    """The default model as `--target cpu` writes it (one in-place graph for every shape; its GGUF blocks read and
+    its attention computed by staticlm's kernels where they are built), a 512-token context."""
     from staticlm.export.cpu.family import export_cpu_family
     from staticlm.export.cpu.options import CpuOptions
     from staticlm.export.family import ExportOptions
@@ -222,7 +238,7 @@ def smollm2_cpu_family(smollm2_loaded, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2_cpu") / "family"
     export_cpu_family(smollm2_loaded, out, options=ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(4, 8),
                                                                  batch_sizes=(4,)),
-                      cpu=CpuOptions(gguf_kernels=kernels.available()))
+                      cpu=CpuOptions(gguf_kernels=kernels.available(), staticlm_attention=kernels.available()))
     return out
 
 

@@ -21,20 +21,6 @@ TEXT = np.random.default_rng(12).integers(0, 256, 64)  # teacher-forced
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """arch -> (HF dir, transformers model, GGUF path), built on first use."""
-    built: dict = {}
-
-    def get(arch: str):
-        if arch not in built:
-            root = tmp_path_factory.mktemp(arch)
-            model = tiny_archs.build(arch, root / "hf")
-            built[arch] = (root / "hf", model, tiny_archs.write_gguf(model, root / f"{arch}.gguf", arch=arch))
-        return built[arch]
-    return get
-
-
-@pytest.fixture(scope="module")
 def htp_family(tiny, tmp_path_factory):
     """arch -> its w8a16 family (exported from the GGUF on first use): one export serves both HTP tests, which only
     read it (the emulator test runs a copy)."""
@@ -195,18 +181,23 @@ def test_htp_emulator_runs_every_architecture_like_the_cpu_ep(htp_family, arch, 
     assert worst <= bound * cpu.quant.logits.scale, worst / cpu.quant.logits.scale
 
 
-# -- the CPU target: MatMulNBits weights, GroupQueryAttention or per-head windows ------------------------------
-@pytest.mark.parametrize("attention", ["gqa", "gqa-float16", "windows"])
+# -- the CPU target: MatMulNBits weights; GroupQueryAttention, staticlm's own attention, or per-head windows --------
+@pytest.mark.parametrize("attention", ["gqa", "gqa-float16", "staticlm", "staticlm-float16", "windows"])
 @pytest.mark.parametrize("arch", tiny_archs.ARCHS)
 def test_cpu_target_agrees_with_transformers(tiny, arch, attention, tmp_path):
     from staticlm.export.cpu.graph import CpuAttention, WeightBits
+    from staticlm.runtime import kernels
 
     _hf_dir, model, gguf = tiny(arch)
     kind, _, kv_dtype = attention.partition("-")
+    if kind == "staticlm" and not kernels.available():
+        pytest.skip(f"staticlm's attention ops: {kernels.why_missing()}")
     # 8-bit weights at float activations: what is left is the weights' rounding, so the body's math shows (and
     # float16 KV keeps the float32 KV's tolerances)
-    family = _export(gguf, tmp_path / "family", target="cpu", attention=CpuAttention(kind),
-                     bits=WeightBits.INT8, accuracy_level=0, **({"kv_dtype": kv_dtype} if kv_dtype else {}))
+    layout = CpuAttention("gqa" if kind == "staticlm" else kind)  # staticlm's ops keep the in-place layout
+    family = _export(gguf, tmp_path / "family", target="cpu", attention=layout, staticlm_attention=kind == "staticlm",
+                     bits=WeightBits.INT8, accuracy_level=0,
+                     **({"kv_dtype": kv_dtype} if kv_dtype else {}))
     got, want = _teacher_forced(family), hf_step(model, TEXT[None], None)[0][0]
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()

@@ -1,10 +1,12 @@
 """Greedy is a function of the tokens: the same prompt gives the same answer whatever path its rows took.
 
 The paths: a cold prefill, a prefix from the lane's cache, a prefix from a batch row's cache (the prompt cache),
-other prompt-chunk lengths, a batch shared with other requests, n > 1 answers, and speculation. ORT's CPU kernels
-round a step of one real row differently from a step of several (Engine.pairs_rows); the default SmolLM2 family
-(int8 activations in MatMulNBits) shows it, so these run on it. The reference for every path is the cold,
-single-sequence answer; the last test shows the paths really do disagree when a row may run alone.
+other prompt-chunk lengths, a batch shared with other requests, n > 1 answers, speculation, and rows that read a
+shared prompt segment. The reference for every path is the cold, single-sequence answer. Two SmolLM2 families:
+- rows-alone, the default: staticlm's kernels compute every row alone (attention and linears, Manifest.rows_alone),
+  so nothing pairs, and greedy rows share a prompt segment with sampled ones;
+- paired: ORT's GroupQueryAttention, which rounds a step of one real row differently from a step of several, so the
+  engine never runs a row alone (Engine.pairs_rows); a test shows the paths really disagree when a row may.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import THREADS, model_of
 
+from staticlm.runtime import kernels
 from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.generate.sampling import SamplingParams
 from staticlm.runtime.generate.sequence_request import Admitted, Finished, SequenceRequest
@@ -23,10 +26,35 @@ from staticlm.runtime.speculative.drafters import PromptLookupDrafter
 from staticlm.runtime.speculative.speculative import Speculator
 
 pytestmark = pytest.mark.slow
+FAMILIES = ["rows-alone", "paired"]
 
 TEXT = (Path(__file__).parents[1] / "apps" / "data" / "eval_en.txt").read_text()
 PARAMS = GenerationParams(max_new_tokens=32, ignore_eos=True)
 NUM_PROMPTS = 6
+
+
+@pytest.fixture(scope="module")
+def smollm2_paired_family(smollm2_loaded, tmp_path_factory) -> Path:
+    """The default family with ORT's GroupQueryAttention instead of staticlm's (its linears as the default's)."""
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.options import CpuOptions
+    from staticlm.export.family import ExportOptions
+    from staticlm.runtime import kernels
+
+    out = tmp_path_factory.mktemp("smollm2_paired") / "family"
+    export_cpu_family(smollm2_loaded, out, options=ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(4, 8),
+                                                                 batch_sizes=(4,)),
+                      cpu=CpuOptions(gguf_kernels=kernels.available(), staticlm_attention=False))
+    return out
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request, smollm2_cpu_family, smollm2_paired_family) -> Path:
+    if request.param == "paired":
+        return smollm2_paired_family
+    if not _model(smollm2_cpu_family).engine.manifest.rows_alone:
+        pytest.skip(f"the default family computes rows alone with staticlm's kernels: {kernels.why_missing()}")
+    return smollm2_cpu_family
 
 
 def _model(family, **engine):
@@ -52,20 +80,23 @@ def _paths(model, ids) -> dict[str, list[int]]:
     return out
 
 
-def test_the_family_pairs_rows(smollm2_cpu_family):
-    assert _model(smollm2_cpu_family).engine.pairs_rows  # else every test below would prove nothing about pairing
+def test_the_families_pair_rows_where_their_ops_need_it(family, smollm2_paired_family):
+    engine = _model(family).engine
+    paired = family == smollm2_paired_family
+    assert engine.pairs_rows == paired  # else the tests below would prove nothing about pairing
+    assert engine.manifest.rows_alone == engine.manifest.exact_attention == (not paired)
 
 
-def test_greedy_does_not_depend_on_the_cache_or_the_chunk_length(smollm2_cpu_family):
-    model, short_chunks = _model(smollm2_cpu_family), _model(smollm2_cpu_family, prefill_rows=8)
+def test_greedy_does_not_depend_on_the_cache_or_the_chunk_length(family):
+    model, short_chunks = _model(family), _model(family, prefill_rows=8)
     for ids in _prompts(model):
         paths = _paths(model, ids)
         paths["8-row chunks"] = _cold(short_chunks, ids)
         assert all(answer == paths["cold"] for answer in paths.values()), {k: v[:8] for k, v in paths.items()}
 
 
-def test_greedy_does_not_depend_on_the_batch_or_speculation(smollm2_cpu_family):
-    model = _model(smollm2_cpu_family)
+def test_greedy_does_not_depend_on_the_batch_or_speculation(family):
+    model = _model(family)
     speculating = model_of(model.engine.__class__(model.engine.model_dir, options=model.engine.options),
                            speculator=Speculator(PromptLookupDrafter()))
     prompts = _prompts(model)
@@ -86,9 +117,9 @@ def test_greedy_does_not_depend_on_the_batch_or_speculation(smollm2_cpu_family):
     assert loop.rows.engine.counters.num_decode_steps > 0  # they decoded together on the batch rows
 
 
-def test_a_row_run_alone_changes_some_answers(smollm2_cpu_family):
-    # Why the engine pairs rows: with a lone decode row the same paths disagree somewhere on these prompts.
-    model = _model(smollm2_cpu_family, paired_rows=False)
+def test_a_row_run_alone_changes_some_answers_where_ort_attends(smollm2_paired_family):
+    # Why that engine pairs rows: with a lone decode row the same paths disagree somewhere on these prompts.
+    model = _model(smollm2_paired_family, paired_rows=False)
     assert not model.engine.pairs_rows
     disagreements = 0
     for ids in _prompts(model):
@@ -97,10 +128,10 @@ def test_a_row_run_alone_changes_some_answers(smollm2_cpu_family):
     assert disagreements > 0
 
 
-def test_a_batch_step_pairs_its_rows_only_for_a_greedy_row(smollm2_cpu_family):
+def test_a_batch_step_pairs_its_rows_only_for_a_greedy_row(smollm2_paired_family):
     # A paired step puts twice the rows through every linear layer: the rows pay for it only where a greedy answer
     # needs the bits. Logprobs keep the speculator out, so every step is a decode step.
-    model = _model(smollm2_cpu_family)
+    model = _model(smollm2_paired_family)
     ids = _prompts(model)[0]
     counters = model.loop.rows.engine.counters
     for temperature, want_paired in ((0.7, False), (0.0, True)):
@@ -113,9 +144,11 @@ def test_a_batch_step_pairs_its_rows_only_for_a_greedy_row(smollm2_cpu_family):
 
 
 # -- the segments kind: rows that read one shared prompt segment (rows.py, --shared-prompt-kv) ----------------------
-# Its graphs sum attention over the prompt segment, the response buffer and the new rows apart, where the lane's
-# GroupQueryAttention sums one buffer: a greedy row there parts from the single run (its last bits, carried by
-# MatMulNBits' int8 activations). So greedy requests run on the lane (Rows.greedy_exact); sampled ones keep the rows.
+# The paired family's segmented graphs sum attention over the prompt segment, the response buffer and the new rows
+# apart, where the lane's GroupQueryAttention sums one buffer: a greedy row there parts from the single run (its
+# last bits, carried by the int8 activations). So its greedy requests run on the lane (Rows.greedy_exact). The
+# rows-alone family's SegmentAttention computes a row as the lane's CachedAttention does: greedy rows stay in the
+# segment's rows, beside sampled ones.
 def _segments_model(family):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
@@ -146,31 +179,35 @@ def _answers(loop, prompts: list[list[int]], *, submit_after: list[int]) -> tupl
     return [finished[i] for i in range(len(prompts))], [num_cached[i] for i in range(len(prompts))]
 
 
-def test_the_family_reads_a_shared_prompt_segment(smollm2_cpu_family):
+def test_the_family_reads_a_shared_prompt_segment(family, smollm2_paired_family):
     from staticlm.runtime.engine.segment_engine import SegmentEngine
 
-    rows = _segments_model(smollm2_cpu_family).loop.rows
+    rows = _segments_model(family).loop.rows
     assert rows.kind == "segments" and isinstance(rows.engine, SegmentEngine)  # else the tests below prove nothing
-    assert not rows.greedy_exact  # the lane pairs its rows, the segments' attention sums apart
+    assert rows.greedy_exact == (family != smollm2_paired_family)
 
 
-def test_greedy_choices_through_a_prompt_segment_equal_the_single_run(smollm2_cpu_family):
-    single, segments = _model(smollm2_cpu_family), _segments_model(smollm2_cpu_family)
+def test_greedy_choices_through_a_prompt_segment_equal_the_single_run(family, smollm2_paired_family):
+    single, segments = _model(family), _segments_model(family)
     got, want = [], []
     for ids in _prompts(single):
         want.append([_cold(single, ids)] * 3)
         got.append([r.token_ids for r in segments.generate_many(ids, PARAMS, num_responses=3)])
-    # one sequence decoded on the lane for the three choices (three would take more steps), none in the rows
-    lane = segments.engine.counters
-    assert NUM_PROMPTS <= lane.num_decode_steps + lane.num_verify_steps <= NUM_PROMPTS * (PARAMS.max_new_tokens - 1)
-    assert not segments.loop.rows.opened or segments.loop.rows.engine.counters.num_decode_steps == 0
+    rows = segments.loop.rows
+    if family == smollm2_paired_family:
+        # one sequence decoded on the lane for the three choices (three would take more steps), none in the rows
+        lane = segments.engine.counters
+        assert NUM_PROMPTS <= lane.num_decode_steps + lane.num_verify_steps <= NUM_PROMPTS * (PARAMS.max_new_tokens - 1)
+        assert not rows.opened or rows.engine.counters.num_decode_steps == 0
+    else:  # the choices decoded in the rows, reading the prompt where the lane holds it
+        assert rows.engine.counters.num_decode_steps >= NUM_PROMPTS * (PARAMS.max_new_tokens - 1)
     assert got == want
 
 
-def test_sampled_choices_still_read_one_prompt_segment(smollm2_cpu_family):
+def test_sampled_choices_still_read_one_prompt_segment(smollm2_paired_family):
     # The segments' memory saving stays where no greedy promise is at stake: sampled choices decode in the rows,
     # which read the prompt's rows in place.
-    segments = _segments_model(smollm2_cpu_family)
+    segments = _segments_model(smollm2_paired_family)
     ids = _prompts(segments)[0]
     params = GenerationParams(max_new_tokens=8, ignore_eos=True, sampling=SamplingParams(temperature=0.7, seed=1))
     answers = segments.generate_many(ids, params, num_responses=3)
@@ -180,12 +217,13 @@ def test_sampled_choices_still_read_one_prompt_segment(smollm2_cpu_family):
 
 
 @pytest.mark.parametrize("submit_after", [[0, 0, 0], [0, 3, 5]], ids=["waiting-together", "joining-a-lone-one"])
-def test_greedy_requests_sharing_a_cached_prefix_equal_their_single_runs(smollm2_cpu_family, submit_after):
-    # Three questions after one shared text (a system prompt), submitted together or while the first decodes: each
-    # runs on the lane in turn, the shared text taken from the lane's cache, and answers as its single run does.
+def test_greedy_requests_sharing_a_cached_prefix_equal_their_single_runs(family, smollm2_paired_family, submit_after):
+    # Three questions after one shared text (a system prompt), submitted together or while the first decodes. The
+    # paired family runs each on the lane in turn, the shared text taken from the lane's cache; the rows-alone one
+    # decodes them together in rows that read the shared text once. Each answers as its single run does.
     from staticlm.runtime.generate.admission import MIN_SHARED_PREFIX
 
-    single, segments = _model(smollm2_cpu_family), _segments_model(smollm2_cpu_family)
+    single, segments = _model(family), _segments_model(family)
     encode = single.tokenizer.encode
     shared = encode(TEXT[4000:4200])
     prompts = [shared + encode(TEXT[5000 + 300 * k:5120 + 300 * k]) for k in range(3)]
@@ -194,3 +232,40 @@ def test_greedy_requests_sharing_a_cached_prefix_equal_their_single_runs(smollm2
     got, num_cached = _answers(segments.loop, prompts, submit_after=submit_after)
     assert num_cached[0] == 0 and min(num_cached[1:]) >= len(shared)  # the later ones did not prefill it again
     assert got == want
+    rows = segments.loop.rows
+    if family != smollm2_paired_family:  # together: fewer row steps than the three answers' tokens
+        assert 0 < rows.engine.counters.num_decode_steps < 3 * (PARAMS.max_new_tokens - 1)
+
+
+def test_greedy_and_sampled_requests_decode_together_on_one_prompt_segment(family, smollm2_paired_family):
+    # A greedy request and a sampled one after a shared text, submitted together: on the rows-alone family both
+    # decode in the same row steps and the greedy answer is its single run's; on the paired one the greedy request
+    # holds the lane and the sampled one waits for it.
+    from staticlm.runtime.generate.sampling import SamplingParams
+
+    single, segments = _model(family), _segments_model(family)
+    encode = single.tokenizer.encode
+    shared = encode(TEXT[4000:4200])
+    greedy_ids, sampled_ids = shared + encode(TEXT[5000:5120]), shared + encode(TEXT[5300:5420])
+    want = _cold(single, greedy_ids)
+    sampled = GenerationParams(max_new_tokens=PARAMS.max_new_tokens, ignore_eos=True,
+                               sampling=SamplingParams(temperature=0.8, seed=3))
+    finished: dict[str, list[int]] = {}
+    at: dict[tuple[str, str], int] = {}  # (request, event) -> the loop step it came in
+    steps = 0
+
+    def on_event(name, e):
+        if isinstance(e, Admitted | Finished):
+            at[name, type(e).__name__] = steps
+        if isinstance(e, Finished):
+            finished[name] = list(e.token_ids)
+    for name, ids, params in (("greedy", greedy_ids, PARAMS), ("sampled", sampled_ids, sampled)):
+        segments.loop.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=partial(on_event, name)))
+    while segments.loop.step():
+        steps += 1
+    assert finished["greedy"] == want and len(finished["sampled"]) == PARAMS.max_new_tokens
+    if family == smollm2_paired_family:  # one after the other
+        assert at["sampled", "Admitted"] >= at["greedy", "Finished"]
+    else:  # side by side, in the segment's rows
+        assert at["sampled", "Admitted"] < at["greedy", "Finished"]
+        assert segments.loop.rows.engine.counters.num_decode_steps >= PARAMS.max_new_tokens - 1

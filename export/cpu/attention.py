@@ -125,9 +125,9 @@ def sequence_attention(graph: CpuLlamaGraph, layer: int, seq: int | None, *, q: 
     return g.op("Add", o_past, g.op("MatMul", p_new, v))
 
 
-def qkv_heads(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables) -> tuple[str, str, str]:
-    """x [B, AR, hidden] (normed) -> q [B, Hkv, g AR, D], k and v [B, Hkv, AR, D]: the projection, its biases,
-    the q/k norms and RoPE."""
+def projected_qkv(graph: CpuLlamaGraph, layer: int, x: str) -> tuple[str, str, str]:
+    """x [B, AR, hidden] (normed) -> q [B, AR, H D], k and v [B, AR, Hkv D]: the projection, its biases and the
+    q/k norms (not rotated)."""
     g, c = graph.g, graph.c
     hd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]
@@ -135,7 +135,14 @@ def qkv_heads(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables) -> 
         qkv = g.op("Add", qkv, g.weight(f"l{layer}.qkv_bias"))
     q, k, v = g.op("Split", qkv, g.const([hd, kvd, kvd]), axis=-1, num_outputs=3)
     q = head_norm(graph, q, layer, "q", num_heads=c.num_heads)
-    k = head_norm(graph, k, layer, "k", num_heads=c.num_kv_heads)
+    return q, head_norm(graph, k, layer, "k", num_heads=c.num_kv_heads), v
+
+
+def qkv_heads(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables) -> tuple[str, str, str]:
+    """x [B, AR, hidden] (normed) -> q [B, Hkv, g AR, D], k and v [B, Hkv, AR, D]: the projection, its biases,
+    the q/k norms and RoPE."""
+    c = graph.c
+    q, k, v = projected_qkv(graph, layer, x)
     q = to_heads(graph, rope.apply(graph, q, c.num_heads), num_heads=c.num_heads, group=c.group_size)
     k = to_heads(graph, rope.apply(graph, k, c.num_kv_heads), num_heads=c.num_kv_heads)
     return q, k, to_heads(graph, v, num_heads=c.num_kv_heads)

@@ -20,7 +20,7 @@ from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.contract import GraphShape, graph_io, in_place_graph_io
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256
 
-from .graph import CpuAttention, CpuLlamaGraph, CpuOptions, custom_ops, write_cpu_weights
+from .graph import CpuAttention, CpuLlamaGraph, CpuOptions, custom_ops, rows_alone, write_cpu_weights
 from .segment_attention import export_segment_graphs, segment_shapes, segments_supported
 
 TARGET = "cpu"
@@ -87,7 +87,9 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
             special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
-            kv_dtype=cpu.kv_dtype, dynamic_past=True, custom_ops=custom_ops(plans),
+            kv_dtype=cpu.kv_dtype, dynamic_past=True, custom_ops=custom_ops(plans, cpu),
+            exact_attention=cpu.staticlm_attention and cpu.attention is CpuAttention.GQA,
+            rows_alone=rows_alone(plans, cpu),
             extra={"target": TARGET, "weights": cpu.to_dict(),
                    **({"source_grids": model.grid_summary()} if model.grid_summary() else {}),
                    **({"weight_rounding": rounding} if rounding else {})})

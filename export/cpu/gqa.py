@@ -23,8 +23,9 @@ from onnx import TensorProto
 from staticlm.runtime.engine.rope import rope_cos_sin
 from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import Role, buffer_name
+from staticlm.runtime.kernels import DOMAIN as KERNEL_DOMAIN
 
-from .attention import _skip_norm, head_norm, mlp, post_norm
+from .attention import _skip_norm, head_norm, mlp, post_norm, projected_qkv
 
 if TYPE_CHECKING:
     from .graph import CpuLlamaGraph
@@ -49,6 +50,8 @@ def rope_tables(config: ModelConfig, *, local: bool = False) -> tuple[np.ndarray
 
 def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden]."""
+    if graph.options.staticlm_attention:
+        return cached_attention(graph, layer, x)
     g, c = graph.g, graph.c
     # A local layer: its own RoPE caches and row counts (its buffers hold its newest rows only), and a window
     local = c.is_local(layer)
@@ -85,6 +88,39 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
          **window)
     out = g.op("Cast", outputs[0], to=TensorProto.FLOAT) if half else outputs[0]  # [B, AR, H D]
     return graph.linear(out, f"l{layer}.o")
+
+
+def cached_attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
+    """The same contract through staticlm's CachedAttention (runtime/kernels/attention_ops.c), which computes every
+    query row alone: a row's bits do not depend on the rows beside it, and the segmented graphs' SegmentAttention
+    gives it the same ones (segment_attention.py). RoPE runs before it, in float32, as there."""
+    g, c = graph.g, graph.c
+    local = c.is_local(layer)
+    suffix = LOCAL if local else ""
+    q, k, v = rotated_qkv(graph, layer, x, cos=g.weight(ROPE_COS + suffix), sin=g.weight(ROPE_SIN + suffix),
+                          positions=Role.POSITION_IDS.value)
+    outputs = [f"l{layer}_attn", buffer_name(Role.PRESENT_KEY, layer), buffer_name(Role.PRESENT_VALUE, layer)]
+    g.op(attention_op("CachedAttention", graph.options.kv_dtype), q, k, v, buffer_name(Role.PAST_KEY, layer),
+         buffer_name(Role.PAST_VALUE, layer), Role.SEQLENS_K.value + suffix, Role.QUERY_LENGTHS.value,
+         domain=KERNEL_DOMAIN, outputs=outputs, num_heads=c.num_heads, kv_num_heads=c.num_kv_heads,
+         scale=c.attention_scale, window=c.local_window if local else 0)
+    return graph.linear(outputs[0], f"l{layer}.o")
+
+
+def attention_op(name: str, kv_dtype: str) -> str:
+    """staticlm's attention op for KV of kv_dtype"""
+    return name + ("F16" if kv_dtype == "float16" else "")
+
+
+def rotated_qkv(graph: CpuLlamaGraph, layer: int, x: str, *, cos: str, sin: str, positions: str
+                ) -> tuple[str, str, str]:
+    """x [B, AR, hidden] (normed) -> q [B, AR, H D], k and v [B, AR, Hkv D]: the projection, its biases, the q/k norms
+    and RoPE (cos/sin caches [rows, R/2] read at positions [B, AR])."""
+    g, c = graph.g, graph.c
+    q, k, v = projected_qkv(graph, layer, x)  # [B, AR, H D], [B, AR, Hkv D] x 2
+    q, k = (g.op("RotaryEmbedding", t, positions, cos, sin, domain=MS_DOMAIN, num_heads=n, interleaved=0,
+                 rotary_embedding_dim=c.rope_dims) for t, n in ((q, c.num_heads), (k, c.num_kv_heads)))
+    return q, k, v
 
 
 def op_rotates(config: ModelConfig) -> bool:

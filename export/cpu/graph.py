@@ -173,9 +173,17 @@ def add_opsets(model: onnx.ModelProto) -> None:
         model.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))
 
 
-def custom_ops(plans: dict[str, LinearPlan]) -> tuple[str, ...]:
-    """The manifest's custom_ops: the kernels' domain where some linear reads GGUF blocks."""
-    return (KERNEL_DOMAIN,) if any(p.ggml_type is not None for plan in plans.values() for p in plan.parts) else ()
+def rows_alone(plans: dict[str, LinearPlan], options: CpuOptions) -> bool:
+    """Whether every op computes each row alone: staticlm's attention, and every linear read from GGUF blocks by
+    GgufMatMul (MatMulNBits' one-row kernel rounds otherwise than its several-row one)."""
+    return options.staticlm_attention and options.attention is CpuAttention.GQA and all(
+        p.ggml_type is not None for plan in plans.values() for p in plan.parts)
+
+
+def custom_ops(plans: dict[str, LinearPlan], options: CpuOptions) -> tuple[str, ...]:
+    """The manifest's custom_ops: the kernels' domain where some linear reads GGUF blocks or staticlm attends."""
+    blocks = any(p.ggml_type is not None for plan in plans.values() for p in plan.parts)
+    return (KERNEL_DOMAIN,) if blocks or options.staticlm_attention else ()
 
 
 def _make_rows_symbolic(model: onnx.ModelProto, config: ModelConfig) -> None:

@@ -94,10 +94,16 @@ class CpuOptions:
     # GgufGather: a step reads the file's bytes. They compute in int8 like accuracy level 4; the family then needs
     # the kernels' library where it runs. `staticlm export` turns this on where the library is built.
     gguf_kernels: bool = False
+    # The in-place and segmented graphs attend with staticlm's CachedAttention and SegmentAttention
+    # (runtime/kernels/attention_ops.c) instead of GroupQueryAttention and MatMul/Softmax nodes: each query row is
+    # computed alone, so greedy answers do not depend on the rows beside it or on the graph kind that ran it, and
+    # sampled and greedy requests can share a prompt segment. Needs the kernels' library where the family runs.
+    staticlm_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.attention is CpuAttention.WINDOWS:  # the window strategies' caches are float32
             object.__setattr__(self, "kv_dtype", "float32")
+            object.__setattr__(self, "staticlm_attention", False)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
 
@@ -121,4 +127,5 @@ class CpuOptions:
                 "symmetric": self.symmetric, "head_symmetric": self.head_symmetric,
                 "accuracy_level": self.accuracy_level, "attention": self.attention.value,
                 "grid_minima": self.grid_minima.value, "kv_dtype": self.kv_dtype, "gguf_kernels": self.gguf_kernels,
+                "staticlm_attention": self.staticlm_attention,
                 **({"gptq": self.gptq.to_dict(), "calib_steps": self.calib_steps} if self.gptq else {})}

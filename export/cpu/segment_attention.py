@@ -22,8 +22,10 @@ from onnx import TensorProto
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, GraphShape, Role, buffer_name, kv_name
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, file_sha256
 from staticlm.runtime.family.segments import PROMPT_ROLES, segment_graph_io
+from staticlm.runtime.kernels import DOMAIN as KERNEL_DOMAIN
 
-from .attention import MS_DOMAIN, RopeTables, _skip_norm, from_heads, grouped_bias, mlp, qkv_heads
+from .attention import MS_DOMAIN, RopeTables, _skip_norm, from_heads, grouped_bias, mlp, qkv_heads, to_heads
+from .gqa import attention_op, rotated_qkv
 from .graph import BIAS_DIM, PAST_DIM, CpuLlamaGraph, add_opsets
 
 PROMPT_DIM = "prompt_len"
@@ -60,6 +62,8 @@ class SegmentCpuGraph(CpuLlamaGraph):
         return self._segment_sizes
 
     def attention(self, layer: int, x: str, *, rope: RopeTables, bias: str) -> str:
+        if self.options.staticlm_attention:
+            return self.segment_attention(layer, x, rope=rope)
         g, c, s = self.g, self.c, self.s
         b, hkv, d = s.batch, c.num_kv_heads, c.head_dim
         q, k, v = qkv_heads(self, layer, x, rope=rope)  # [B, Hkv, g AR, D], [B, Hkv, AR, D] x 2
@@ -86,6 +90,24 @@ class SegmentCpuGraph(CpuLlamaGraph):
         o = g.op("Add", g.op("Add", o_prompt, o_resp), g.op("MatMul", p_new, v))
         return self.linear(from_heads(self, o), f"l{layer}.o")
 
+    def segment_attention(self, layer: int, x: str, *, rope: RopeTables) -> str:
+        """staticlm's SegmentAttention: the prompt segment, the response rows and the new rows the bias lets each
+        row see, in that order, each query row computed alone as the lane's CachedAttention computes it (gqa.py):
+        a row gets the lane's bits."""
+        g, c, s = self.g, self.c, self.s
+        b, hkv, d = s.batch, c.num_kv_heads, c.head_dim
+        q, k, v = rotated_qkv(self, layer, x, cos=rope.cos, sin=rope.sin, positions=rope.position_ids)
+        for t, role in ((k, Role.NEW_KEY), (v, Role.NEW_VALUE)):  # [B, AR, Hkv D] -> one [1, 1, AR, D] per slot
+            heads = to_heads(self, t, num_heads=hkv)  # [B, Hkv, AR, D]
+            rows = g.op("Reshape", self._stored(heads), g.const([b * hkv, 1, s.ar, d]))  # same bytes
+            _split(self, rows, b * hkv, axis=0,
+                   outputs=[kv_name(role, layer, h, seq) for seq in range(b) for h in range(hkv)])
+        prompt = [kv_name(role, layer, h) for role in PROMPT_ROLES for h in range(hkv)]  # the keys, then the values
+        out = g.op(attention_op("SegmentAttention", self.options.kv_dtype), q, k, v, Role.ATTENTION_BIAS.value,
+                   buffer_name(Role.PAST_KEY, layer), buffer_name(Role.PAST_VALUE, layer), *prompt,
+                   domain=KERNEL_DOMAIN, num_heads=c.num_heads, kv_num_heads=hkv, scale=c.attention_scale)
+        return self.linear(out, f"l{layer}.o")  # [B, AR, H D]
+
     def _read(self, kv: str) -> str:
         """A KV input in float32: float16 KV (the prompt cache's type) is cast where the attention reads it."""
         return kv if self.options.kv_dtype == "float32" else self.g.op("Cast", kv, to=TensorProto.FLOAT)
@@ -96,7 +118,8 @@ class SegmentCpuGraph(CpuLlamaGraph):
 
     def decoder(self, h: str) -> str:
         g, c = self.g, self.c
-        rope, bias = RopeTables(self), grouped_bias(self)
+        rope = RopeTables(self)
+        bias = None if self.options.staticlm_attention else grouped_bias(self)
         x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=float(c.rms_norm_eps))
         for layer in range(c.num_layers):
             x, h = _skip_norm(self, self.attention(layer, x, rope=rope, bias=bias), h, f"l{layer}.mlp_norm",

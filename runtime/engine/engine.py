@@ -184,8 +184,9 @@ class Engine:
         speculation). Any step of two or more real rows gives a row the same bits, so a lone row runs again beside
         the row before it (tests/test_greedy_paths.py). That row is not free: MatMulNBits computes on int8
         activations, so its time grows with the rows of a step, and a paired batch step costs more than a plain one
-        (the loop pairs a batch step only for greedy rows, rows.py)."""
-        return self.graphs.any_rows and self.options.paired_rows
+        (the loop pairs a batch step only for greedy rows, rows.py). A family whose ops all compute each row alone
+        (Manifest.rows_alone: staticlm's attention and GGUF kernels) gives a lone row those bits already."""
+        return self.graphs.any_rows and self.options.paired_rows and not self.manifest.rows_alone
 
     def _can_pair(self, previous: int | None) -> bool:
         return (previous is not None and self.pairs_rows and self.batch == 1 and self.num_cached > 0

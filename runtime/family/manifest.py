@@ -18,9 +18,10 @@ MAGIC = "staticlm-family"
 # 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target);
 # 4: a cpu family's one in-place graph serves every shape (logits_index); 5: `dynamic_past` and `parts` are fields
 # of their own (before, keys of `extra`, where older manifests are still read); 6: `custom_ops`, the op domains
-# beyond ONNX Runtime's that the graphs use (staticlm's GGUF kernels); older ones load as before
-FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # older families are still valid as written
+# beyond ONNX Runtime's that the graphs use (staticlm's GGUF kernels); 7: `exact_attention` and `rows_alone`; older
+# ones load as before
+FORMAT_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # older families are still valid as written
 KNOWN_CUSTOM_OPS = ("staticlm",)  # runtime/kernels
 TYPED_FIELDS_VERSION = 5  # the first version with `dynamic_past` and `parts` outside `extra`
 MANIFEST_NAME = "manifest.json"
@@ -151,6 +152,12 @@ class Manifest:
     dynamic_past: bool = False
     parts: LayerParts | None = None  # the layer-group graphs of a family exported with --parts
     custom_ops: tuple[str, ...] = ()  # op domains the graphs need beyond ONNX Runtime's (KNOWN_CUSTOM_OPS)
+    # every graph attends with staticlm's ops (runtime/kernels/attention_ops.c), which compute each query row alone:
+    # a row's attention has the same bits whichever rows run beside it and whichever graph kind runs it
+    exact_attention: bool = False
+    # besides, every linear is staticlm's GgufMatMul, which computes each activation row alone too: a row's logits
+    # have the same bits alone in a step as beside others (no row needs to run paired, Engine.pairs_rows)
+    rows_alone: bool = False
     extra: dict = field(default_factory=dict)  # facts for people and messages (target, weights, calibration, ...)
 
     @property
@@ -211,7 +218,8 @@ class Manifest:
                               "add_bos_token": st.add_bos_token},
                 "quantization": self.quantization, "graphs": [g.to_dict() for g in self.graphs],
                 "dynamic_past": self.dynamic_past, "parts": self.parts.to_dict() if self.parts else None,
-                "custom_ops": list(self.custom_ops), "extra": self.extra}
+                "custom_ops": list(self.custom_ops), "exact_attention": self.exact_attention,
+                "rows_alone": self.rows_alone, "extra": self.extra}
 
     def save(self, directory: Path) -> Path:
         path = Path(directory) / MANIFEST_NAME
@@ -249,6 +257,10 @@ def _parse(d: dict) -> Manifest:
     custom_ops = d.get("custom_ops") or []
     if not isinstance(custom_ops, list) or not all(isinstance(o, str) for o in custom_ops):
         raise ManifestError(f"manifest field custom_ops must be a list of names, got {_short(custom_ops)}")
+    exact_attention, rows_alone = d.get("exact_attention", False), d.get("rows_alone", False)
+    for key, value in (("exact_attention", exact_attention), ("rows_alone", rows_alone)):
+        if not isinstance(value, bool):
+            raise ManifestError(f"manifest field {key} must be true or false, got {_short(value)}")
     unknown = [o for o in custom_ops if o not in KNOWN_CUSTOM_OPS]
     if unknown:
         raise ManifestError(f"the graphs need ops of {unknown[0]!r}, which this staticlm does not have; re-export "
@@ -263,6 +275,7 @@ def _parse(d: dict) -> Manifest:
                                      add_bos_token=bool(tok.get("add_bos_token"))),
         kv_layout=KVLayout(d["kv_layout"]), kv_dtype=d["kv_dtype"], quantization=d.get("quantization"),
         source=d.get("source", ""), format_version=version, dynamic_past=dynamic_past, custom_ops=tuple(custom_ops),
+        exact_attention=exact_attention, rows_alone=rows_alone,
         parts=None if parts is None else LayerParts.from_dict(parts, num_layers=model.num_layers, graphs=graphs),
         extra=extra)
     if manifest.quantization is not None:

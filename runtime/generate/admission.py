@@ -17,9 +17,11 @@ admitted later and shorter than the rest of the one the lane is prefilling go fi
 parked in a free row of the prompt cache (one copy; no other request takes that row) and taken back (one copy)
 when its turn comes again. Otherwise the prompt started runs to its end.
 
-A greedy request on rows that would not give it the lane's bits (Rows.greedy_exact: the segments kind beside a
-lane that pairs its rows) runs on the lane instead, alone, as one sequence whose answer each of its choices gets
-(greedy choices are the same tokens); a prefix it shares with the lane's last sequence comes from the lane's cache.
+A greedy request on rows that would not give it the lane's bits (Rows.greedy_exact: the segments kind of a family
+attending with ORT's GroupQueryAttention, beside a lane that pairs its rows) runs on the lane instead, alone, as one
+sequence whose answer each of its choices gets (greedy choices are the same tokens); a prefix it shares with the
+lane's last sequence comes from the lane's cache. A family attending with staticlm's own ops keeps greedy requests
+in the segment's rows, beside sampled ones.
 """
 from __future__ import annotations
 

@@ -12,8 +12,10 @@ what is placed and finishes it.
 - The **rows** (rows.py) decode the other sequences together, one call per step for all of them: copies of the
   prompt in batch rows (continuous batching, with the prompt cache), or one shared prompt segment read in place
   (a family whose batched graphs are segmented, or `--shared-prompt-kv`). Speculation runs on ragged rows.
-- Greedy is a function of the tokens: the engines never run a row alone (Engine.pairs_rows), and a greedy request
-  runs on the lane where the rows would not give it the lane's bits (Rows.greedy_exact, admission.py).
+- Greedy is a function of the tokens: a family whose ops compute every row alone (staticlm's attention and GGUF
+  kernels, Manifest.rows_alone) gives a row the same bits on any path; elsewhere the engines never run a row alone
+  (Engine.pairs_rows), and a greedy request runs on the lane where the rows would not give it the lane's bits
+  (Rows.greedy_exact, admission.py).
 
 `step()` runs on one thread (the engine's); `submit()` may be called from any thread.
 """

@@ -60,12 +60,15 @@ class Rows:
 
     @property
     def greedy_exact(self) -> bool:
-        """Whether a greedy row gets here the bits the lane would give it (tests/test_greedy_paths.py). Segmented
-        graphs compute attention with nodes of their own, the prompt segment, the response buffer and the new rows
-        summed apart, where the lane's GroupQueryAttention sums one buffer: the last bits differ, and MatMulNBits'
-        int8 activations carry them into the logits. Where the lane keeps the promise (Engine.pairs_rows), a greedy
-        request therefore runs on the lane instead (admission.py)."""
-        return self.kind != "segments" or not self.model.engine.pairs_rows
+        """Whether a greedy row gets here the bits the lane would give it (tests/test_greedy_paths.py). A family
+        whose graphs attend with staticlm's own ops (Manifest.exact_attention) computes every query row alone, in
+        the segmented graphs as in the lane's. Otherwise the segmented graphs sum attention with nodes of their own,
+        the prompt segment, the response buffer and the new rows apart, where the lane's GroupQueryAttention sums
+        one buffer: the last bits differ, and the linears' int8 activations carry them into the logits. Where the
+        lane keeps the promise (Engine.pairs_rows), a greedy request on such rows runs on the lane instead
+        (admission.py)."""
+        lane = self.model.engine
+        return self.kind != "segments" or lane.manifest.exact_attention or not lane.pairs_rows
 
     @property
     def shares_segment(self) -> bool:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds libstaticlm_gguf.so, ONNX Runtime custom ops over GGUF blocks (gguf_ops.c), next to this script.
+# Builds libstaticlm_gguf.so, ONNX Runtime custom ops over GGUF blocks (gguf_ops.c) and staticlm's KV buffers
+# (attention_ops.c), next to this script.
 # The ops need ONNX Runtime's C API header, which its Python wheel does not ship: it is taken from $ORT_INCLUDE,
 # the system (/usr/include/onnxruntime), or Debian's libonnxruntime-dev package, downloaded (not installed) into
 # build/ with apt's own client where apt-get and root are at hand. Without a header or a C compiler this prints
@@ -33,7 +34,7 @@ fi
 cc="${CC:-cc}"
 command -v "$cc" >/dev/null 2>&1 || note "no C compiler ($cc)"
 "$cc" -O3 -std=c11 -D_GNU_SOURCE -fPIC -shared -fvisibility=hidden -Wall -Wextra -Werror \
-  -I"$include" "$here"/gguf_*.c -o "$out.tmp" -lpthread -lm
+  -I"$include" "$here"/*.c -o "$out.tmp" -lpthread -lm
 mv "$out.tmp" "$out"
 rm -f "$here/.build-note"
 echo "built $out"

@@ -16,13 +16,16 @@
 
 #include "gguf_dot.h"
 
+OrtStatus* add_attention_ops(OrtCustomOpDomain* domain); /* attention_ops.c */
+
 #define API_VERSION 17 /* KernelContext_ParallelFor: ORT 1.17 */
 #define ROWS_PER_TASK 16 /* a multiple of GROUP */
 _Static_assert(ROWS_PER_TASK % GROUP == 0, "tasks hold whole groups");
 #define QUANTIZE_IN_PARALLEL 8 /* x's rows from which their quantizing is split over the threads too */
 #define MAX_RANK 8
 
-static const OrtApi* api;
+const OrtApi* staticlm_ort; /* attention_ops.c uses it too */
+#define api staticlm_ort
 
 #define TRY(expr)                          \
   do {                                     \
@@ -337,6 +340,7 @@ static void make_domain(void) {
   domain_status = api->CreateCustomOpDomain("staticlm", &domain);
   if (domain_status == NULL) domain_status = api->CustomOpDomain_Add(domain, &matmul_op);
   if (domain_status == NULL) domain_status = api->CustomOpDomain_Add(domain, &gather_op);
+  if (domain_status == NULL) domain_status = add_attention_ops(domain);
 }
 
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,

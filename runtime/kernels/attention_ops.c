@@ -1,0 +1,429 @@
+/* ONNX Runtime custom ops for attention over staticlm's own KV buffers (domain "staticlm"), every query row computed
+ * alone by attend() (attention.h), so that greedy answers do not depend on the path a row took:
+ *
+ *   CachedAttention(q [B, S, H D], k, v [B, S, Hkv D], past_key, past_value [B, Hkv, C, D], seqlens_k [B] int32,
+ *                   query_lengths [B] int32; num_heads, kv_num_heads, scale, window)
+ *     -> out [B, S, H D], present_key, present_value [B, Hkv, C, D]
+ *     GroupQueryAttention's in-place contract: present is past's buffer (bound to both, else past is copied); a
+ *     sequence's query_lengths[b] new rows are written at row seqlens_k[b] + 1 - query_lengths[b] and row r sees
+ *     the rows before it and itself (the last `window` of them when window > 0); rows past query_lengths[b] are
+ *     padding: neither written nor attended, their output zeros.
+ *   SegmentAttention(q, k, v, bias [B, 1, S, P + S], past_key, past_value [B, Hkv, P, D], prompt rows [Pp, D] per KV
+ *                    head: the keys, then the values; num_heads, kv_num_heads, scale) -> out [B, S, H D]
+ *     The segmented graphs' attention (runtime/family/segments.py): row r of sequence b sees the whole prompt
+ *     segment, then the response rows and new rows where bias[b, 0, r] is 0, in that order, as the lane's buffer
+ *     holds the same rows. New rows are rounded to the cache's type first, as the lane reads them back.
+ * A name ending in F16 takes float16 KV (the cache's type); q, k, v and out are float32. */
+#include <onnxruntime_c_api.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+
+extern const OrtApi* staticlm_ort; /* gguf_ops.c */
+#define api staticlm_ort
+#define MAX_DIMS 8
+#define BLOCK_ROWS 4 /* query positions a task attends together */
+
+#define TRY(expr)                          \
+  do {                                     \
+    OrtStatus* status_ = (expr);           \
+    if (status_ != NULL) return status_;   \
+  } while (0)
+
+typedef struct {
+  OrtCustomOp op; /* first: ORT passes this op's address to every callback */
+  const char* name;
+  int segmented, half;
+} AttentionOp;
+
+typedef struct {
+  int segmented, half;
+  int64_t num_heads, kv_num_heads, window;
+  float scale;
+} Kernel;
+
+typedef struct {
+  int64_t dims[MAX_DIMS];
+  size_t rank;
+  void* data;
+} Tensor;
+
+static OrtStatus* fail(const char* what) { return api->CreateStatus(ORT_INVALID_ARGUMENT, what); }
+
+static OrtStatus* input(OrtKernelContext* context, size_t i, Tensor* t) {
+  const OrtValue* value = NULL;
+  TRY(api->KernelContext_GetInput(context, i, &value));
+  if (value == NULL) return fail("attention: an input is missing");
+  OrtTensorTypeAndShapeInfo* info = NULL;
+  TRY(api->GetTensorTypeAndShape(value, &info));
+  OrtStatus* status = api->GetDimensionsCount(info, &t->rank);
+  if (status == NULL && t->rank > MAX_DIMS) status = fail("attention: input rank out of range");
+  if (status == NULL) status = api->GetDimensions(info, t->dims, t->rank);
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  if (status != NULL) return status;
+  return api->GetTensorMutableData((OrtValue*)value, &t->data);
+}
+
+static OrtStatus* output(OrtKernelContext* context, size_t i, const Tensor* like, Tensor* t) {
+  OrtValue* value = NULL;
+  TRY(api->KernelContext_GetOutput(context, i, like->dims, like->rank, &value));
+  memcpy(t->dims, like->dims, sizeof t->dims);
+  t->rank = like->rank;
+  return api->GetTensorMutableData(value, &t->data);
+}
+
+/* the calling thread's scratch, kept between calls */
+static void* scratch_of(size_t bytes) {
+  static _Thread_local void* scratch = NULL;
+  static _Thread_local size_t capacity = 0;
+  if (bytes > capacity) {
+    void* grown = realloc(scratch, bytes);
+    if (grown == NULL) return NULL;
+    scratch = grown;
+    capacity = bytes;
+  }
+  return scratch;
+}
+
+typedef struct {
+  const Kernel* kn;
+  int64_t b, s, hkv, d, g;
+  size_t elem;
+  const float *q, *k, *v;
+  float* out;
+  /* in place: the buffers [B, Hkv, C, D] and each sequence's rows before the step and new rows */
+  const char *keys, *values;
+  int64_t capacity;
+  const int32_t *before, *num_new;
+  /* segmented: the prompt rows per KV head [Pp, D], the response buffers [B, Hkv, P, D], the bias */
+  const void* const* prompt;
+  int64_t num_prompt, past;
+  const float* bias;
+  uint16_t* rounded; /* [B, S, 2 Hkv, D] the new rows as float16 (half caches) */
+  int failed;
+} Job;
+
+/* The rows that row r of sequence b sees through KV head h, in order, into keys/values; their number. */
+static int64_t rows_seen(const Job* job, int64_t b, int64_t h, int64_t r, const void** keys, const void** values) {
+  const Kernel* kn = job->kn;
+  const size_t row = (size_t)job->d * job->elem;
+  int64_t n = 0;
+  if (!kn->segmented) {
+    const int64_t last = job->before[b] + r, first = kn->window > 0 && last + 1 > kn->window ? last + 1 - kn->window : 0;
+    const size_t start = (size_t)((b * job->hkv + h) * job->capacity) * row;
+    for (int64_t j = first; j <= last; j++, n++) {
+      keys[n] = job->keys + start + (size_t)j * row;
+      values[n] = job->values + start + (size_t)j * row;
+    }
+    return n;
+  }
+  for (int64_t j = 0; j < job->num_prompt; j++, n++) {
+    keys[n] = (const char*)job->prompt[h] + (size_t)j * row;
+    values[n] = (const char*)job->prompt[job->hkv + h] + (size_t)j * row;
+  }
+  const float* seen = job->bias + (b * job->s + r) * (job->past + job->s);
+  const size_t start = (size_t)((b * job->hkv + h) * job->past) * row;
+  for (int64_t j = 0; j < job->past; j++) {
+    if (seen[j] != 0.0f) continue;
+    keys[n] = job->keys + start + (size_t)j * row;
+    values[n++] = job->values + start + (size_t)j * row;
+  }
+  for (int64_t j = 0; j < job->s; j++) {
+    if (seen[job->past + j] != 0.0f) continue;
+    if (kn->half) {
+      const uint16_t* rounded = job->rounded + ((b * job->s + j) * 2 * job->hkv + h) * job->d;
+      keys[n] = rounded;
+      values[n++] = rounded + job->hkv * job->d;
+    } else {
+      keys[n] = job->k + ((b * job->s + j) * job->hkv + h) * job->d;
+      values[n++] = job->v + ((b * job->s + j) * job->hkv + h) * job->d;
+    }
+  }
+  return n;
+}
+
+/* one task: the g query heads of KV head h at rows r0 .. r0 + BLOCK_ROWS of sequence b, together where each row's
+ * rows are the start of the last one's (causal rows), so that each key and value row is read once for all of them */
+static void attention_task(void* data, size_t task) {
+  Job* job = data;
+  const Kernel* kn = job->kn;
+  const int64_t blocks = (job->s + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  const int64_t r0 = (int64_t)task % blocks * BLOCK_ROWS, h = (int64_t)task / blocks % job->hkv;
+  const int64_t b = (int64_t)task / blocks / job->hkv, g = job->g;
+  const int64_t most = job->num_prompt + (kn->segmented ? job->past : job->capacity) + job->s;
+  const int64_t num_vectors = BLOCK_ROWS * g;
+  void* scratch = scratch_of(sizeof(void*) * 4 * (size_t)most + sizeof(int) * (size_t)num_vectors +
+                             2 * sizeof(float*) * (size_t)num_vectors +
+                             sizeof(float) * (size_t)attention_scratch((int)num_vectors, (int)most, (int)job->d));
+  if (scratch == NULL) {
+    job->failed = 1;
+    return;
+  }
+  const void** keys = scratch;
+  const void** values = keys + most;
+  const void** mine = values + most; /* one row's own keys and values, to compare */
+  const float** q = (const float**)(mine + 2 * most);
+  float** out = (float**)(q + num_vectors);
+  int* counts = (int*)(out + num_vectors);
+  float* work = (float*)(counts + num_vectors);
+  int64_t rows = job->s - r0 < BLOCK_ROWS ? job->s - r0 : BLOCK_ROWS;
+  if (!kn->segmented) { /* padding rows: neither attended nor attending */
+    const int64_t real = job->num_new[b] - r0;
+    for (int64_t r = r0 + (real > 0 ? real : 0); r < r0 + rows; r++) {
+      memset(job->out + ((b * job->s + r) * kn->num_heads + h * g) * job->d, 0, sizeof(float) * (size_t)(g * job->d));
+    }
+    rows = real < rows ? (real > 0 ? real : 0) : rows;
+  }
+  if (rows == 0) return;
+  int together = kn->window == 0;
+  const int64_t n = rows_seen(job, b, h, r0 + rows - 1, keys, values);
+  int64_t seen[BLOCK_ROWS];
+  seen[rows - 1] = n;
+  for (int64_t r = 0; r < rows - 1; r++) {
+    seen[r] = rows_seen(job, b, h, r0 + r, mine, mine + most);
+    together = together && seen[r] <= n && memcmp(mine, keys, sizeof(void*) * (size_t)seen[r]) == 0;
+  }
+  for (int64_t r = 0; r < rows; r++) {
+    if (!together) { /* each row by itself */
+      const int64_t count = rows_seen(job, b, h, r0 + r, keys, values);
+      for (int64_t i = 0; i < g; i++) {
+        const int64_t at = ((b * job->s + r0 + r) * kn->num_heads + h * g + i) * job->d;
+        q[i] = job->q + at;
+        out[i] = job->out + at;
+        counts[i] = (int)count;
+      }
+      attend(q, counts, (int)g, (int)job->d, kn->scale, keys, values, (int)count, kn->half, work, out);
+      continue;
+    }
+    for (int64_t i = 0; i < g; i++) {
+      const int64_t at = ((b * job->s + r0 + r) * kn->num_heads + h * g + i) * job->d;
+      q[r * g + i] = job->q + at;
+      out[r * g + i] = job->out + at;
+      counts[r * g + i] = (int)seen[r];
+    }
+  }
+  if (together) {
+    attend(q, counts, (int)(rows * g), (int)job->d, kn->scale, keys, values, (int)n, kn->half, work, out);
+  }
+}
+
+/* the new rows of sequence b into the buffers (converted to the cache's type) */
+static void write_rows(const Job* job, int64_t b, char* keys, char* values) {
+  const size_t row = (size_t)job->d * job->elem;
+  for (int64_t r = 0; r < job->num_new[b]; r++) {
+    for (int64_t h = 0; h < job->hkv; h++) {
+      const size_t at = ((size_t)((b * job->hkv + h) * job->capacity) + (size_t)(job->before[b] + r)) * row;
+      const float* k = job->k + ((b * job->s + r) * job->hkv + h) * job->d;
+      const float* v = job->v + ((b * job->s + r) * job->hkv + h) * job->d;
+      if (job->kn->half) {
+        to_half(k, (int)job->d, (uint16_t*)(keys + at));
+        to_half(v, (int)job->d, (uint16_t*)(values + at));
+      } else {
+        memcpy(keys + at, k, row);
+        memcpy(values + at, v, row);
+      }
+    }
+  }
+}
+
+static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) {
+  const Kernel* kn = kernel;
+  Tensor q, k, v, past_k, past_v, out;
+  TRY(input(context, 0, &q));
+  TRY(input(context, 1, &k));
+  TRY(input(context, 2, &v));
+  const int at = kn->segmented ? 4 : 3;
+  TRY(input(context, at, &past_k));
+  TRY(input(context, at + 1, &past_v));
+  if (q.rank != 3 || k.rank != 3 || v.rank != 3 || past_k.rank != 4 || past_v.rank != 4) {
+    return fail("attention: q, k, v must be [B, S, n D] and the caches [B, Hkv, rows, D]");
+  }
+  Job job = {.kn = kn, .b = q.dims[0], .s = q.dims[1], .hkv = kn->kv_num_heads, .d = past_k.dims[3],
+             .elem = kn->half ? 2 : 4, .q = q.data, .k = k.data, .v = v.data};
+  job.g = kn->num_heads / kn->kv_num_heads;
+  if (q.dims[2] != kn->num_heads * job.d || k.dims[2] != job.hkv * job.d || v.dims[2] != job.hkv * job.d ||
+      k.dims[0] != job.b || k.dims[1] != job.s || v.dims[0] != job.b || v.dims[1] != job.s ||
+      past_k.dims[0] != job.b || past_k.dims[1] != job.hkv || memcmp(past_k.dims, past_v.dims, sizeof(int64_t) * 4)) {
+    return fail("attention: the shapes of q, k, v and the caches disagree");
+  }
+  TRY(output(context, 0, &q, &out));
+  job.out = out.data;
+  if (!kn->segmented) {
+    Tensor seqlens, lengths, present_k, present_v;
+    TRY(input(context, 5, &seqlens));
+    TRY(input(context, 6, &lengths));
+    if (seqlens.rank != 1 || seqlens.dims[0] != job.b || lengths.rank != 1 || lengths.dims[0] != job.b) {
+      return fail("CachedAttention: seqlens_k and query_lengths must be [B]");
+    }
+    TRY(output(context, 1, &past_k, &present_k));
+    TRY(output(context, 2, &past_v, &present_v));
+    job.capacity = past_k.dims[2];
+    const size_t bytes = (size_t)(job.b * job.hkv * job.capacity * job.d) * job.elem;
+    if (present_k.data != past_k.data) memcpy(present_k.data, past_k.data, bytes); /* not bound in place */
+    if (present_v.data != past_v.data) memcpy(present_v.data, past_v.data, bytes);
+    int32_t* before = malloc(sizeof(int32_t) * (size_t)job.b); /* not scratch_of: the tasks' own scratch */
+    if (before == NULL) return api->CreateStatus(ORT_FAIL, "CachedAttention: out of memory");
+    job.num_new = lengths.data;
+    for (int64_t b = 0; b < job.b; b++) {
+      before[b] = ((const int32_t*)seqlens.data)[b] + 1 - job.num_new[b];
+      if (job.num_new[b] < 0 || job.num_new[b] > job.s || before[b] < 0 || before[b] + job.num_new[b] > job.capacity) {
+        free(before);
+        return fail("CachedAttention: a sequence's rows do not fit its buffer");
+      }
+    }
+    job.before = before;
+    for (int64_t b = 0; b < job.b; b++) write_rows(&job, b, present_k.data, present_v.data);
+    job.keys = present_k.data;
+    job.values = present_v.data;
+    job.num_prompt = 0;
+  } else {
+    Tensor bias;
+    TRY(input(context, 3, &bias));
+    job.past = past_k.dims[2];
+    if (bias.rank != 4 || bias.dims[0] != job.b || bias.dims[2] != job.s || bias.dims[3] != job.past + job.s) {
+      return fail("SegmentAttention: the bias must be [B, 1, S, P + S]");
+    }
+    size_t count = 0;
+    TRY(api->KernelContext_GetInputCount(context, &count));
+    if (count != 6 + 2 * (size_t)job.hkv) return fail("SegmentAttention: one prompt key and value per KV head");
+    const void** prompt = malloc(sizeof(void*) * 2 * (size_t)job.hkv);
+    if (prompt == NULL) return api->CreateStatus(ORT_FAIL, "SegmentAttention: out of memory");
+    job.num_prompt = -1;
+    for (int64_t i = 0; i < 2 * job.hkv; i++) {
+      Tensor p;
+      OrtStatus* status = input(context, 6 + (size_t)i, &p);
+      if (status == NULL && (p.rank != 2 || p.dims[1] != job.d || (job.num_prompt >= 0 && p.dims[0] != job.num_prompt))) {
+        status = fail("SegmentAttention: the prompt rows must be [Pp, D], as many for every head");
+      }
+      if (status != NULL) {
+        free(prompt);
+        return status;
+      }
+      job.num_prompt = p.dims[0];
+      prompt[i] = p.data;
+    }
+    job.prompt = prompt;
+    job.keys = past_k.data;
+    job.values = past_v.data;
+    job.bias = bias.data;
+    if (kn->half) { /* the new rows as the cache will hold them */
+      job.rounded = malloc(sizeof(uint16_t) * (size_t)(job.b * job.s * 2 * job.hkv * job.d));
+      if (job.rounded == NULL) {
+        free(prompt);
+        return api->CreateStatus(ORT_FAIL, "SegmentAttention: out of memory");
+      }
+      for (int64_t i = 0; i < job.b * job.s; i++) {
+        to_half(job.k + i * job.hkv * job.d, (int)(job.hkv * job.d), job.rounded + i * 2 * job.hkv * job.d);
+        to_half(job.v + i * job.hkv * job.d, (int)(job.hkv * job.d), job.rounded + (i * 2 + 1) * job.hkv * job.d);
+      }
+    }
+  }
+  const size_t tasks = (size_t)(job.b * job.hkv * ((job.s + BLOCK_ROWS - 1) / BLOCK_ROWS));
+  OrtStatus* status = api->KernelContext_ParallelFor(context, attention_task, tasks, 0, &job);
+  free((void*)job.prompt);
+  free(job.rounded);
+  free((void*)job.before);
+  if (status == NULL && job.failed) status = api->CreateStatus(ORT_FAIL, "attention: out of memory");
+  return status;
+}
+
+/* ---- the ops' descriptions -------------------------------------------------------------------------------------- */
+
+static OrtStatus* ORT_API_CALL create(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info, void** out) {
+  (void)a;
+  const AttentionOp* self = (const AttentionOp*)op;
+  Kernel* kn = calloc(1, sizeof(Kernel));
+  if (kn == NULL) return api->CreateStatus(ORT_FAIL, "out of memory");
+  kn->segmented = self->segmented;
+  kn->half = self->half;
+  OrtStatus* status = api->KernelInfoGetAttribute_int64(info, "num_heads", &kn->num_heads);
+  if (status == NULL) status = api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &kn->kv_num_heads);
+  if (status == NULL) status = api->KernelInfoGetAttribute_float(info, "scale", &kn->scale);
+  if (status == NULL) {
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, "window", &kn->window);
+    if (absent != NULL) { /* optional: every row */
+      api->ReleaseStatus(absent);
+      kn->window = 0;
+    }
+  }
+  if (status == NULL && (kn->kv_num_heads <= 0 || kn->num_heads % kn->kv_num_heads != 0 || kn->window < 0)) {
+    status = fail("attention: num_heads must be a multiple of kv_num_heads, and window at least 0");
+  }
+  if (status != NULL) {
+    free(kn);
+    return status;
+  }
+  *out = kn;
+  return NULL;
+}
+
+static void ORT_API_CALL destroy(void* kernel) { free(kernel); }
+static const char* ORT_API_CALL name(const OrtCustomOp* op) { return ((const AttentionOp*)op)->name; }
+static const char* ORT_API_CALL cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static size_t ORT_API_CALL input_count(const OrtCustomOp* op) { return ((const AttentionOp*)op)->segmented ? 7 : 7; }
+static size_t ORT_API_CALL output_count(const OrtCustomOp* op) { return ((const AttentionOp*)op)->segmented ? 1 : 3; }
+
+static ONNXTensorElementDataType kv_type(const OrtCustomOp* op) {
+  return ((const AttentionOp*)op)->half ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp* op, size_t i) {
+  if (((const AttentionOp*)op)->segmented) return i < 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : kv_type(op);
+  return i < 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : i < 5 ? kv_type(op) : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+}
+
+static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp* op, size_t i) {
+  return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : kv_type(op);
+}
+
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp* op, size_t i) {
+  return ((const AttentionOp*)op)->segmented && i == 6 ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+}
+
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCustomOp* op, size_t i) {
+  (void)op, (void)i;
+  return INPUT_OUTPUT_REQUIRED;
+}
+
+static OrtMemType ORT_API_CALL memory(const OrtCustomOp* op, size_t i) {
+  (void)op, (void)i;
+  return OrtMemTypeDefault;
+}
+
+static int ORT_API_CALL min_arity(const OrtCustomOp* op) { (void)op; return 2; }
+static int ORT_API_CALL homogeneous(const OrtCustomOp* op) { (void)op; return 1; }
+static int ORT_API_CALL one(const OrtCustomOp* op) { (void)op; return 1; }
+static int ORT_API_CALL start_version(const OrtCustomOp* op) { (void)op; return 1; }
+static int ORT_API_CALL end_version(const OrtCustomOp* op) { (void)op; return 1 << 30; }
+
+static AttentionOp ops[4] = {{.name = "CachedAttention"}, {.name = "CachedAttentionF16", .half = 1},
+                             {.name = "SegmentAttention", .segmented = 1},
+                             {.name = "SegmentAttentionF16", .segmented = 1, .half = 1}};
+
+OrtStatus* add_attention_ops(OrtCustomOpDomain* domain) {
+  for (int i = 0; i < 4; i++) {
+    OrtCustomOp* op = &ops[i].op;
+    op->version = 17; /* ORT reads no field added after it */
+    op->GetName = name;
+    op->GetExecutionProviderType = cpu;
+    op->GetInputType = input_type;
+    op->GetInputTypeCount = input_count;
+    op->GetOutputType = output_type;
+    op->GetOutputTypeCount = output_count;
+    op->KernelDestroy = destroy;
+    op->GetInputCharacteristic = input_kind;
+    op->GetOutputCharacteristic = output_kind;
+    op->GetInputMemoryType = memory;
+    op->GetVariadicInputMinArity = min_arity;
+    op->GetVariadicInputHomogeneity = homogeneous;
+    op->GetVariadicOutputMinArity = one;
+    op->GetVariadicOutputHomogeneity = one;
+    op->CreateKernelV2 = create;
+    op->KernelComputeV2 = compute;
+    op->GetStartVersion = start_version;
+    op->GetEndVersion = end_version;
+    TRY(api->CustomOpDomain_Add(domain, op));
+  }
+  return NULL;
+}
