@@ -108,7 +108,7 @@ def export_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOpt
         manifest = Manifest(
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
-            special_tokens=special_tokens(model), source=model.source)
+            special_tokens=special_tokens(model), generation_defaults=model.generation_defaults, source=model.source)
         manifest.save(work)
         step("manifest")
     return manifest

@@ -94,10 +94,15 @@ class Model:
         self._loop = GenerationLoop(self, max_queue=max_queue, prompt_cache=prompt_cache, eager=eager)
         return self._loop
 
+    def default_params(self, options: RunOptions | None = None) -> GenerationParams:
+        """An answer's parameters from the run options (default: the model's), the sampling fields they leave unset
+        taken from the family's own defaults, else the shared table (runtime/family/generation_defaults.py)."""
+        return (options or self.options).generation_params(self.manifest.generation_defaults)
+
     def stream(self, prompt_ids: list[int], params: GenerationParams | None = None, *,
                should_stop: Callable[[], bool] = lambda: False, **request) -> Iterator[str]:
         """One answer's text as it comes (request: num_logprobs, constraint); the summary is `last_result`."""
-        return stream(self.loop, prompt_ids, params or self.options.generation_params(), should_stop=should_stop,
+        return stream(self.loop, prompt_ids, params or self.default_params(), should_stop=should_stop,
                       on_result=self._set_result, **request)
 
     def generate(self, prompt_ids: list[int], params: GenerationParams | None = None, **request) -> GenerationResult:
@@ -115,7 +120,7 @@ class Model:
                                 "sliding-window layers (its batched graphs are not exported yet); run one at a time")
         if num_responses > 1 and not self.loop.rows.available:
             raise InvalidOption(self.loop.rows.unavailable)
-        return generate_many(self.loop, prompt_ids, params or self.options.generation_params(),
+        return generate_many(self.loop, prompt_ids, params or self.default_params(),
                              num_responses=num_responses, on_text=on_text, should_stop=should_stop, **request)
 
     def _set_result(self, result: GenerationResult) -> None:
@@ -123,7 +128,7 @@ class Model:
 
     def chat(self, *, system_prompt: str | None = None) -> ChatSession:
         """A conversation; system_prompt defaults to the options' one."""
-        return ChatSession(self, self.format, params=self.options.generation_params(),
+        return ChatSession(self, self.format, params=self.default_params(),
                            system_prompt=system_prompt if system_prompt is not None
                            else self.options.system_prompt_or_none)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -18,6 +19,9 @@ from typing import Any
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import Overflow, Strategy
 from staticlm.runtime.engine.engine_options import EngineOptions
+from staticlm.runtime.family.generation_defaults import DEFAULTS as SAMPLING
+from staticlm.runtime.family.generation_defaults import FIELDS as SAMPLING_FIELDS
+from staticlm.runtime.family.generation_defaults import resolve
 from staticlm.runtime.generate.sampling import SamplingParams
 from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.session.device import DEFAULT_SOC_MODEL, Device, DeviceOptions
@@ -81,13 +85,18 @@ class RunOptions:
     draft_len: int | None = option(None, "fixed draft length (default: BASS's dynamic one)", low=1, reloads=True)
     # -- each answer -----------------------------------------------------------------------------------
     max_new_tokens: int = option(256, "most tokens an answer may have", low=1, app_default=512)
-    temperature: float = option(0.0, "0 = greedy", low=0.0, app_default=0.7)
-    top_k: int = option(0, "keep the k likeliest tokens (0: off)", low=0)
-    top_p: float = option(1.0, "keep the smallest set of tokens whose mass reaches p", low=0.0,
-                          low_exclusive=True, high=1.0, app_default=0.9)
-    min_p: float = option(0.0, "drop tokens below min_p x the likeliest token's probability", low=0.0)
-    repetition_penalty: float = option(1.0, "divide the logits of tokens already seen (CTRL-style)", low=0.0,
-                                       low_exclusive=True, app_default=1.1)
+    # Sampling: unset, the model's own default, else the shared table's (runtime/family/generation_defaults.py)
+    temperature: float | None = option(None, f"0 = exact greedy (default: the model's own, else "
+                                       f"{SAMPLING['temperature']})", low=0.0)
+    top_k: int | None = option(None, f"keep the k likeliest tokens, 0: off (default: the model's own, else "
+                               f"{SAMPLING['top_k']})", low=0)
+    top_p: float | None = option(None, f"keep the smallest set of tokens whose mass reaches p (default: the model's "
+                                 f"own, else {SAMPLING['top_p']})", low=0.0, low_exclusive=True, high=1.0)
+    min_p: float | None = option(None, f"drop tokens below min_p x the likeliest token's probability (default: the "
+                                 f"model's own, else {SAMPLING['min_p']})", low=0.0)
+    repetition_penalty: float | None = option(None, f"divide the logits of tokens already seen, CTRL-style "
+                                              f"(default: the model's own, else {SAMPLING['repetition_penalty']})",
+                                              low=0.0, low_exclusive=True)
     seed: int | None = option(None, "seed of the sampler (default: a fresh one)")
     stop: tuple[str, ...] = option((), "stop string (repeatable)")
     ignore_eos: bool = option(False, "keep decoding to --max-new-tokens (benchmarks)")
@@ -111,11 +120,12 @@ class RunOptions:
     def speculate_options(self) -> SpeculateOptions:
         return SpeculateOptions.parse(self.speculate, fixed_length=self.draft_len)
 
-    def generation_params(self) -> GenerationParams:
-        return GenerationParams(
-            max_new_tokens=self.max_new_tokens, stop_strings=self.stop, ignore_eos=self.ignore_eos,
-            sampling=SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                    min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed))
+    def generation_params(self, model_defaults: Mapping[str, float] | None = None) -> GenerationParams:
+        """The answer's parameters; model_defaults: the family's own sampling defaults (Manifest.generation_defaults),
+        which fill the sampling fields left unset before the shared table does (generation_defaults.resolve)."""
+        sampling = resolve({name: getattr(self, name) for name in SAMPLING_FIELDS}, model_defaults)
+        return GenerationParams(max_new_tokens=self.max_new_tokens, stop_strings=self.stop,
+                                ignore_eos=self.ignore_eos, sampling=SamplingParams(**sampling, seed=self.seed))
 
     @property
     def system_prompt_or_none(self) -> str | None:

@@ -112,3 +112,19 @@ def test_a_greedy_request_answers_alike_on_every_path_of_the_loop_per_architectu
         got.update({f"choice {c}": r.token_ids for c, r in enumerate(model.generate_many(prompt, params,
                                                                                           num_responses=3))})
     assert {path: answer == want for path, answer in got.items()} == dict.fromkeys(got, True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_readme_question_gets_an_answer_that_ends_under_the_default_sampling(smollm2_cpu_family, seed):
+    # The default model, greedy, repeats one phrase to the token limit on this question; the shared sampling
+    # defaults (generation_defaults.py, what `generate` takes when no sampling flag is given) let it finish.
+    from staticlm.runtime.generate.text_stream import FinishReason
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
+
+    model = Model.open(smollm2_cpu_family, RunOptions(device="cpu", num_threads=THREADS, seed=seed))
+    chat = model.chat()
+    text = "".join(chat.send("What is the capital of France?"))
+    result = chat.last_result
+    assert result.finish_reason is FinishReason.EOS, text
+    assert len(result.token_ids) < model.options.max_new_tokens

@@ -180,6 +180,51 @@ def test_the_app_defaults_differ_only_where_declared():
     cli_defaults, app = RunOptions(), RunOptions.app_defaults()
     differing = {f.name for f in dataclasses.fields(RunOptions)
                  if getattr(cli_defaults, f.name) != getattr(app, f.name)}
-    assert differing == {"overflow", "max_new_tokens", "temperature", "top_p", "repetition_penalty", "system_prompt"}
+    assert differing == {"overflow", "max_new_tokens", "system_prompt"}  # sampling: one table for all
     assert cli_defaults.needs_reload(cli_defaults.replace(kv_reserve=3.0))
     assert not cli_defaults.needs_reload(cli_defaults.replace(temperature=0.9, stop=("x",)))
+
+
+def test_sampling_fields_left_unset_take_the_models_defaults_else_the_shared_table():
+    from staticlm.runtime.family.generation_defaults import DEFAULTS, OFF
+
+    def sampling(options: RunOptions, model: dict | None = None) -> dict:
+        p = options.generation_params(model).sampling
+        return {name: getattr(p, name) for name in DEFAULTS}
+
+    assert sampling(RunOptions()) == DEFAULTS and DEFAULTS["temperature"] > 0  # samples, as llama-cli and Ollama
+    assert sampling(RunOptions(), {"temperature": 0.6, "top_k": 20}) == {**DEFAULTS, "temperature": 0.6, "top_k": 20}
+    assert sampling(RunOptions(top_k=5), {"temperature": 0.6, "top_k": 20})["top_k"] == 5  # given beats the model
+    # a temperature of 0, given or the model's, is exact greedy: the warpers left unset are off
+    assert sampling(RunOptions(temperature=0), {"top_p": 0.8}) == OFF
+    assert sampling(RunOptions(), {"temperature": 0.0}) == OFF
+    assert sampling(RunOptions(temperature=0, repetition_penalty=1.3))["repetition_penalty"] == 1.3
+
+
+def test_a_sources_sampling_defaults_are_read_and_checked():
+    from staticlm.export.sources.gguf import generation_defaults as gguf_defaults
+    from staticlm.export.sources.hf import generation_defaults as hf_defaults
+
+    assert hf_defaults({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+                        "max_new_tokens": 2048}) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                     "repetition_penalty": 1.05}
+    assert hf_defaults({"do_sample": False, "temperature": 0.7}) == {"temperature": 0.0}  # transformers' greedy
+    assert hf_defaults({"top_p": 1.5, "temperature": "hot", "top_k": True}) == {}  # out of range or ill-typed
+    assert gguf_defaults({"general.sampling.temp": 0.6, "general.sampling.penalty_repeat": 1.1,
+                          "general.name": "x"}) == {"temperature": 0.6, "repetition_penalty": 1.1}
+
+
+def test_a_manifest_with_bad_sampling_defaults_is_refused_in_one_line(tiny_family, tmp_path):
+    import shutil
+
+    from staticlm.runtime.family.manifest import MANIFEST_NAME, ManifestError, load_manifest
+
+    family = tmp_path / "family"
+    shutil.copytree(tiny_family, family)
+    path = family / MANIFEST_NAME
+    d = json.loads(path.read_text())
+    path.write_text(json.dumps({**d, "generation_defaults": {"temperature": 0.5}}))
+    assert load_manifest(family).generation_defaults == {"temperature": 0.5}
+    path.write_text(json.dumps({**d, "generation_defaults": {"temperature": -1}}))
+    with pytest.raises(ManifestError, match="generation_defaults"):
+        load_manifest(family)

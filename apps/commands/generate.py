@@ -87,7 +87,7 @@ def _constraint(model: Model, *, schema: dict | None, lark: str | None) -> Gramm
 
 def _generate_one(model: Model, prompt: str, *, chat: bool, as_json: bool, request: dict) -> tuple[dict, bool]:
     engine, session, flag = model.engine, model.chat(), StopFlag()
-    params = model.options.generation_params()
+    params = model.default_params()
     if chat:
         stream = session.send(prompt, params, should_stop=flag, **request)
     else:
@@ -134,7 +134,7 @@ def _generate_batch(model: Model, ids: list[int], *, num_responses: int, as_json
     rows = model.loop.rows
     t0 = time.perf_counter()
     with sigint_sets(flag):
-        responses = model.generate_many(ids, model.options.generation_params(), num_responses=num_responses,
+        responses = model.generate_many(ids, model.default_params(), num_responses=num_responses,
                                         should_stop=flag, **request)
     seconds = time.perf_counter() - t0
     num_tokens = sum(len(r.token_ids) for r in responses)

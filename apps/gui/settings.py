@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 from staticlm.apps.home import home
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import Overflow
+from staticlm.runtime.family.generation_defaults import DEFAULTS as SAMPLING
 from staticlm.runtime.options import RunOptions
 from staticlm.runtime.session.device import Device
 
@@ -81,9 +82,10 @@ class SettingsDialog(QDialog):
         drow.addWidget(self.detected, 1)
         form.addRow("Device", drow)
 
-        self.temperature = _spin(0.0, 2.0, 0.05, settings.temperature, "0 = greedy")
+        # unset sampling fields show the shared default and stay unset (the model's own default) unless changed
+        self.temperature = _spin(0.0, 2.0, 0.05, _shown(settings, "temperature"), "0 = greedy")
         form.addRow("Temperature", self.temperature)
-        self.top_p = _spin(0.05, 1.0, 0.05, settings.top_p, "")
+        self.top_p = _spin(0.05, 1.0, 0.05, _shown(settings, "top_p"), "")
         form.addRow("Top-p", self.top_p)
         self.max_new_tokens = QSpinBox()
         self.max_new_tokens.setRange(1, 32768)
@@ -126,10 +128,22 @@ class SettingsDialog(QDialog):
     def result_settings(self) -> RunOptions:
         return self._base.replace(
             model_dir=self.model_dir.text().strip() or None, device=Device(self.device.currentText()),
-            temperature=round(self.temperature.value(), 3), top_p=round(self.top_p.value(), 3),
+            temperature=_chosen(self.temperature, self._base, "temperature"),
+            top_p=_chosen(self.top_p, self._base, "top_p"),
             max_new_tokens=self.max_new_tokens.value(), system_prompt=self.system_prompt.toPlainText(),
             kv_reserve=round(self.kv_reserve.value(), 3), overflow=Overflow(self.overflow.currentText()),
             speculate=self.speculate.currentText().strip() or "none")
+
+
+def _shown(settings: RunOptions, name: str) -> float:
+    value = getattr(settings, name)
+    return SAMPLING[name] if value is None else value
+
+
+def _chosen(spin: QDoubleSpinBox, base: RunOptions, name: str) -> float | None:
+    """The spin's value, or None (the model's own default) where it was unset and left as shown."""
+    value = round(spin.value(), 3)
+    return None if getattr(base, name) is None and value == round(_shown(base, name), 3) else value
 
 
 def _spin(lo: float, hi: float, step: float, value: float, tip: str) -> QDoubleSpinBox:

@@ -182,7 +182,7 @@ class GenerationWorker(QObject):
 
         try:
             self.session.system_prompt = settings.system_prompt_or_none
-            for piece in start(settings.generation_params(), should_stop):
+            for piece in start(self.model.default_params(settings), should_stop):
                 if t_first is None:
                     t_first = time.perf_counter()
                 self.chunk.emit(piece)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from staticlm.kv_manager import ContextFull, Overflow
+from staticlm.runtime.family.generation_defaults import FIELDS as SAMPLING_FIELDS
+from staticlm.runtime.family.generation_defaults import resolve
 from staticlm.runtime.generate.sampling import SamplingParams
 from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.text.prompt_room import max_prompt_tokens
@@ -52,10 +54,11 @@ def _logit_bias(state: ServeState, bias: dict[str, float] | None) -> tuple[tuple
 def _params(state: ServeState, req: SamplingFields, *, max_new: int, num_prompt_tokens: int) -> GenerationParams:
     o = state.options
     pick = lambda value, default: default if value is None else value
+    # the request's fields, else the server's run options; what both leave unset, the model's own or the shared
+    # table's (a temperature of 0 is exact greedy: the unset warpers off)
+    given = {name: pick(getattr(req, name), getattr(o, name)) for name in SAMPLING_FIELDS}
     try:
-        sampling = SamplingParams(temperature=pick(req.temperature, o.temperature), top_k=pick(req.top_k, o.top_k),
-                                  top_p=pick(req.top_p, o.top_p), min_p=pick(req.min_p, o.min_p),
-                                  repetition_penalty=pick(req.repetition_penalty, o.repetition_penalty),
+        sampling = SamplingParams(**resolve(given, state.model.manifest.generation_defaults),
                                   seed=pick(req.seed, o.seed), presence_penalty=req.presence_penalty or 0.0,
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   logit_bias=_logit_bias(state, req.logit_bias), num_prompt_tokens=num_prompt_tokens)

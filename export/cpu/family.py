@@ -86,8 +86,9 @@ def export_cpu_family(model: LoadedModel, out_dir: str | Path, *, options: Expor
         manifest = Manifest(
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=model.chat_template,
-            special_tokens=special_tokens(model), source=model.source, kv_layout=cpu.attention.kv_layout,
-            kv_dtype=cpu.kv_dtype, dynamic_past=True, custom_ops=custom_ops(plans, cpu),
+            special_tokens=special_tokens(model), generation_defaults=model.generation_defaults, source=model.source,
+            kv_layout=cpu.attention.kv_layout, kv_dtype=cpu.kv_dtype, dynamic_past=True,
+            custom_ops=custom_ops(plans, cpu),
             exact_attention=cpu.staticlm_attention and cpu.attention is CpuAttention.GQA,
             rows_alone=rows_alone(plans, cpu),
             extra={"target": TARGET, "weights": cpu.to_dict(),

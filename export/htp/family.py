@@ -411,6 +411,7 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
             model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
             weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=fm.chat_template,
             special_tokens=fm.special_tokens, kv_dtype=fq.kv_dtype, quantization=fq.to_dict(), source=fm.source,
+            generation_defaults=fm.generation_defaults,
             extra={"target": "htp", "calib_steps": len(traces.steps), "calib_prompts": len(ids),
                    **({"weight_rounding": rounding} if rounding else {})})
         manifest.save(final)

@@ -15,6 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from staticlm.runtime.family.config import ModelConfig, UnsupportedModel
+from staticlm.runtime.family.generation_defaults import checked
 
 from .architectures import BY_GGUF_NAME, BY_NAME, KNOWN_UNSUPPORTED, Architecture, source_shapes, supported_names
 from .architectures import unfuse as unfuse_tensors
@@ -55,8 +56,19 @@ def load_gguf(path: Path, *, source: str | None = None) -> LoadedModel:
         eos_token_ids=tokenizer.eos_token_ids, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
         add_bos_token=tokenizer.add_bos_token, source=source or f"GGUF {path}", grids=grids,
         requantized=tuple(requantized), source_types={n: i.qtype.name for n, i in gf.tensors.items()},
-        drop_pages=gf.drop_pages,
+        drop_pages=gf.drop_pages, generation_defaults=generation_defaults(gf.metadata),
     )
+
+
+# llama.cpp's general.sampling.* keys (gguf-py's Keys.General.SAMPLING_*) -> generation_defaults.py's fields
+SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                 "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def generation_defaults(metadata: dict) -> dict[str, float]:
+    """The file's own sampling defaults, where its metadata carries them."""
+    return checked({field: metadata[key] for key, field in SAMPLING_KEYS.items() if key in metadata})
 
 
 def architecture(gf: GGUFFile) -> Architecture:

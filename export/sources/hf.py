@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from staticlm.runtime.family.config import ModelConfig, UnsupportedModel
+from staticlm.runtime.family.generation_defaults import FIELDS, checked
 
 from .architectures import BY_HF_TYPE, KNOWN_UNSUPPORTED, add_norm_offset, source_shapes, unfuse
 from .gemma import hf_features, hf_global_rope, linear_inv_freq
@@ -55,7 +56,15 @@ def load_hf_dir(path: Path) -> LoadedModel:
         bos_token=bos if bos is not None else id_to_token.get(bos_id),
         eos_token=eos if eos is not None else (id_to_token.get(eos_ids[0]) if eos_ids else None),
         add_bos_token=bool(tcfg.get("add_bos_token", False)), source=f"HF checkpoint {path}",
+        generation_defaults=generation_defaults(gen),
     )
+
+
+def generation_defaults(gen: dict[str, Any]) -> dict[str, float]:
+    """generation_config.json's sampling fields; do_sample false (transformers' greedy) as temperature 0."""
+    if gen.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return checked({k: gen[k] for k in FIELDS if k in gen})
 
 
 def _config(cfg: dict[str, Any], *, name: str) -> ModelConfig:

@@ -46,6 +46,8 @@ class LoadedModel:
     # Gives back the pages of the mapped source file read so far (a GGUF's; a no-op for other sources): an export
     # that has read a layer group's tensors calls it, so the file does not stay counted in its memory whole.
     drop_pages: Callable[[], None] = field(default=lambda: None, compare=False, repr=False)
+    # the source's own sampling defaults (runtime/family/generation_defaults.py), {} where it carries none
+    generation_defaults: dict[str, float] = field(default_factory=dict)
 
     def grid_summary(self) -> str | None:
         """"Q4_K x 12, Q6_K x 4": the GGUF matrices kept on their own grid, by type; None for a float source."""

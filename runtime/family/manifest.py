@@ -12,14 +12,15 @@ from staticlm.errors import UserError
 
 from .config import ModelConfig
 from .contract import GraphShape, KVLayout, Role, TensorSpec, num_kv_tensors
+from .generation_defaults import FIELDS, checked
 from .quant_params import FamilyQuant, Quant, QuantParamsError
 
 MAGIC = "staticlm-family"
 # 2: quantized families (integer I/O dtypes, `quantization` parameters); 3: the in-place KV layout (cpu target);
 # 4: a cpu family's one in-place graph serves every shape (logits_index); 5: `dynamic_past` and `parts` are fields
 # of their own (before, keys of `extra`, where older manifests are still read); 6: `custom_ops`, the op domains
-# beyond ONNX Runtime's that the graphs use (staticlm's GGUF kernels); 7: `exact_attention` and `rows_alone`; older
-# ones load as before
+# beyond ONNX Runtime's that the graphs use (staticlm's GGUF kernels); 7: `exact_attention`, `rows_alone` and
+# `generation_defaults`; older ones load as before
 FORMAT_VERSION = 7
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # older families are still valid as written
 KNOWN_CUSTOM_OPS = ("staticlm",)  # runtime/kernels
@@ -158,6 +159,8 @@ class Manifest:
     # besides, every linear is staticlm's GgufMatMul, which computes each activation row alone too: a row's logits
     # have the same bits alone in a step as beside others (no row needs to run paired, Engine.pairs_rows)
     rows_alone: bool = False
+    # the source's own sampling defaults (generation_defaults.py: an HF generation_config.json, a GGUF's keys)
+    generation_defaults: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # facts for people and messages (target, weights, calibration, ...)
 
     @property
@@ -219,7 +222,7 @@ class Manifest:
                 "quantization": self.quantization, "graphs": [g.to_dict() for g in self.graphs],
                 "dynamic_past": self.dynamic_past, "parts": self.parts.to_dict() if self.parts else None,
                 "custom_ops": list(self.custom_ops), "exact_attention": self.exact_attention,
-                "rows_alone": self.rows_alone, "extra": self.extra}
+                "rows_alone": self.rows_alone, "generation_defaults": self.generation_defaults, "extra": self.extra}
 
     def save(self, directory: Path) -> Path:
         path = Path(directory) / MANIFEST_NAME
@@ -261,6 +264,10 @@ def _parse(d: dict) -> Manifest:
     for key, value in (("exact_attention", exact_attention), ("rows_alone", rows_alone)):
         if not isinstance(value, bool):
             raise ManifestError(f"manifest field {key} must be true or false, got {_short(value)}")
+    generation_defaults = d.get("generation_defaults") or {}
+    if not isinstance(generation_defaults, dict) or checked(generation_defaults) != generation_defaults:
+        raise ManifestError(f"manifest field generation_defaults must map {', '.join(FIELDS)} to numbers in range, "
+                            f"got {_short(generation_defaults)}")
     unknown = [o for o in custom_ops if o not in KNOWN_CUSTOM_OPS]
     if unknown:
         raise ManifestError(f"the graphs need ops of {unknown[0]!r}, which this staticlm does not have; re-export "
@@ -275,7 +282,7 @@ def _parse(d: dict) -> Manifest:
                                      add_bos_token=bool(tok.get("add_bos_token"))),
         kv_layout=KVLayout(d["kv_layout"]), kv_dtype=d["kv_dtype"], quantization=d.get("quantization"),
         source=d.get("source", ""), format_version=version, dynamic_past=dynamic_past, custom_ops=tuple(custom_ops),
-        exact_attention=exact_attention, rows_alone=rows_alone,
+        exact_attention=exact_attention, rows_alone=rows_alone, generation_defaults=generation_defaults,
         parts=None if parts is None else LayerParts.from_dict(parts, num_layers=model.num_layers, graphs=graphs),
         extra=extra)
     if manifest.quantization is not None:
