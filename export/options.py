@@ -68,8 +68,9 @@ class ExportRequest:
     cpu_attention: str | None = option(None, "with --target cpu: gqa (default: GroupQueryAttention, KV appended in "
                                        "place) or windows (per-head past windows, for the kv_manager strategies and "
                                        "the BMC ladder)", choices=tuple(a.value for a in CpuAttention))
-    kv_dtype: str | None = option(None, "with --target cpu: the KV cache's element type (default: float16 where the "
-                                  "CPU computes in half precision, else float32)", choices=KV_DTYPES)
+    kv_dtype: str | None = option(None, "with --target cpu: the KV cache's element type (default: float16 where "
+                                  "staticlm's attention reads it or the CPU computes in half precision, else "
+                                  "float32)", choices=KV_DTYPES)
     grid_minima: str | None = option(None, "with --target cpu, a GGUF grid with block minima (Q4_1, Q4_K, Q5_1, "
                                      "Q5_K): exact (default: every weight gguf's own, an offset MatMul per linear) or "
                                      "folded (integer zero points and the remainder in correction rows: weights "
@@ -172,7 +173,8 @@ class ExportRequest:
             raise InvalidOption(f"--gguf-kernels on: {kernels.why_missing()}")
         use_kernels = kernels.available() if self.gguf_kernels is None else self.gguf_kernels == "on"
         base = CpuOptions(bits=bits, attention=attention, grid_minima=GridMinima(self.grid_minima or "exact"),
-                          kv_dtype=self.kv_dtype or default_kv_dtype(), gguf_kernels=use_kernels,
+                          kv_dtype=self.kv_dtype or default_kv_dtype(staticlm_attention=use_kernels),
+                          gguf_kernels=use_kernels,
                           staticlm_attention=use_kernels)
         if not self.calib:
             return base

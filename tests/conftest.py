@@ -231,14 +231,15 @@ def smollm2_cpu_family(smollm2_loaded, tmp_path_factory) -> Path:
     """The default model as `--target cpu` writes it (one in-place graph for every shape; its GGUF blocks read and
     its attention computed by staticlm's kernels where they are built), a 512-token context."""
     from staticlm.export.cpu.family import export_cpu_family
-    from staticlm.export.cpu.options import CpuOptions
+    from staticlm.export.cpu.options import CpuOptions, default_kv_dtype
     from staticlm.export.family import ExportOptions
     from staticlm.runtime import kernels
 
     out = tmp_path_factory.mktemp("smollm2_cpu") / "family"
     export_cpu_family(smollm2_loaded, out, options=ExportOptions(contexts=(512,), prefill_len=64, verify_lens=(4, 8),
                                                                  batch_sizes=(4,)),
-                      cpu=CpuOptions(gguf_kernels=kernels.available(), staticlm_attention=kernels.available()))
+                      cpu=CpuOptions(gguf_kernels=kernels.available(), staticlm_attention=kernels.available(),
+                                     kv_dtype=default_kv_dtype(staticlm_attention=kernels.available())))
     return out
 
 

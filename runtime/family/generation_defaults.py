@@ -4,7 +4,9 @@ A field the user leaves unset takes the model's own value where its source carri
 generation_config.json, a GGUF's general.sampling.* keys: the manifest's `generation_defaults`), else DEFAULTS'.
 DEFAULTS sample, as llama-cli and Ollama do by default: greedy decoding of a small model loops on open questions
 (the default SmolLM2 answered "What is the capital of France?" with one phrase repeated to the token limit). A
-temperature of 0, given or the model's, is exact greedy: the fields left unset then change nothing (OFF).
+temperature of 0, given or the model's, is exact greedy: the fields left unset then change nothing (OFF). min_p
+(llama.cpp's default too) drops the unlikely tail that lets a small model's sampled answer start repeating itself
+(tests/test_greedy_serve.py asks the default model the README's question).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-DEFAULTS: dict[str, float] = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.1}
+DEFAULTS: dict[str, float] = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1}
 OFF: dict[str, float] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 # a model's value is kept only inside these bounds (else the field takes DEFAULTS'): (low, high, low inclusive)
 _BOUNDS = {"temperature": (0.0, 2.0, True), "top_k": (0, 1 << 20, True), "top_p": (0.0, 1.0, False),

@@ -18,12 +18,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attention.h"
+#include "attention_job.h"
 
 extern const OrtApi* staticlm_ort; /* gguf_ops.c */
 #define api staticlm_ort
 #define MAX_DIMS 8
-#define BLOCK_ROWS 4 /* query positions a task attends together */
 
 #define TRY(expr)                          \
   do {                                     \
@@ -37,11 +36,6 @@ typedef struct {
   int segmented, half;
 } AttentionOp;
 
-typedef struct {
-  int segmented, half;
-  int64_t num_heads, kv_num_heads, window;
-  float scale;
-} Kernel;
 
 typedef struct {
   int64_t dims[MAX_DIMS];
@@ -73,162 +67,9 @@ static OrtStatus* output(OrtKernelContext* context, size_t i, const Tensor* like
   return api->GetTensorMutableData(value, &t->data);
 }
 
-/* the calling thread's scratch, kept between calls */
-static void* scratch_of(size_t bytes) {
-  static _Thread_local void* scratch = NULL;
-  static _Thread_local size_t capacity = 0;
-  if (bytes > capacity) {
-    void* grown = realloc(scratch, bytes);
-    if (grown == NULL) return NULL;
-    scratch = grown;
-    capacity = bytes;
-  }
-  return scratch;
-}
-
-typedef struct {
-  const Kernel* kn;
-  int64_t b, s, hkv, d, g;
-  size_t elem;
-  const float *q, *k, *v;
-  float* out;
-  /* in place: the buffers [B, Hkv, C, D] and each sequence's rows before the step and new rows */
-  const char *keys, *values;
-  int64_t capacity;
-  const int32_t *before, *num_new;
-  /* segmented: the prompt rows per KV head [Pp, D], the response buffers [B, Hkv, P, D], the bias */
-  const void* const* prompt;
-  int64_t num_prompt, past;
-  const float* bias;
-  uint16_t* rounded; /* [B, S, 2 Hkv, D] the new rows as float16 (half caches) */
-  int failed;
-} Job;
-
-/* The rows that row r of sequence b sees through KV head h, in order, into keys/values; their number. */
-static int64_t rows_seen(const Job* job, int64_t b, int64_t h, int64_t r, const void** keys, const void** values) {
-  const Kernel* kn = job->kn;
-  const size_t row = (size_t)job->d * job->elem;
-  int64_t n = 0;
-  if (!kn->segmented) {
-    const int64_t last = job->before[b] + r, first = kn->window > 0 && last + 1 > kn->window ? last + 1 - kn->window : 0;
-    const size_t start = (size_t)((b * job->hkv + h) * job->capacity) * row;
-    for (int64_t j = first; j <= last; j++, n++) {
-      keys[n] = job->keys + start + (size_t)j * row;
-      values[n] = job->values + start + (size_t)j * row;
-    }
-    return n;
-  }
-  for (int64_t j = 0; j < job->num_prompt; j++, n++) {
-    keys[n] = (const char*)job->prompt[h] + (size_t)j * row;
-    values[n] = (const char*)job->prompt[job->hkv + h] + (size_t)j * row;
-  }
-  const float* seen = job->bias + (b * job->s + r) * (job->past + job->s);
-  const size_t start = (size_t)((b * job->hkv + h) * job->past) * row;
-  for (int64_t j = 0; j < job->past; j++) {
-    if (seen[j] != 0.0f) continue;
-    keys[n] = job->keys + start + (size_t)j * row;
-    values[n++] = job->values + start + (size_t)j * row;
-  }
-  for (int64_t j = 0; j < job->s; j++) {
-    if (seen[job->past + j] != 0.0f) continue;
-    if (kn->half) {
-      const uint16_t* rounded = job->rounded + ((b * job->s + j) * 2 * job->hkv + h) * job->d;
-      keys[n] = rounded;
-      values[n++] = rounded + job->hkv * job->d;
-    } else {
-      keys[n] = job->k + ((b * job->s + j) * job->hkv + h) * job->d;
-      values[n++] = job->v + ((b * job->s + j) * job->hkv + h) * job->d;
-    }
-  }
-  return n;
-}
-
-/* one task: the g query heads of KV head h at rows r0 .. r0 + BLOCK_ROWS of sequence b, together where each row's
- * rows are the start of the last one's (causal rows), so that each key and value row is read once for all of them */
-static void attention_task(void* data, size_t task) {
-  Job* job = data;
-  const Kernel* kn = job->kn;
-  const int64_t blocks = (job->s + BLOCK_ROWS - 1) / BLOCK_ROWS;
-  const int64_t r0 = (int64_t)task % blocks * BLOCK_ROWS, h = (int64_t)task / blocks % job->hkv;
-  const int64_t b = (int64_t)task / blocks / job->hkv, g = job->g;
-  const int64_t most = job->num_prompt + (kn->segmented ? job->past : job->capacity) + job->s;
-  const int64_t num_vectors = BLOCK_ROWS * g;
-  void* scratch = scratch_of(sizeof(void*) * 4 * (size_t)most + sizeof(int) * (size_t)num_vectors +
-                             2 * sizeof(float*) * (size_t)num_vectors +
-                             sizeof(float) * (size_t)attention_scratch((int)num_vectors, (int)most, (int)job->d));
-  if (scratch == NULL) {
-    job->failed = 1;
-    return;
-  }
-  const void** keys = scratch;
-  const void** values = keys + most;
-  const void** mine = values + most; /* one row's own keys and values, to compare */
-  const float** q = (const float**)(mine + 2 * most);
-  float** out = (float**)(q + num_vectors);
-  int* counts = (int*)(out + num_vectors);
-  float* work = (float*)(counts + num_vectors);
-  int64_t rows = job->s - r0 < BLOCK_ROWS ? job->s - r0 : BLOCK_ROWS;
-  if (!kn->segmented) { /* padding rows: neither attended nor attending */
-    const int64_t real = job->num_new[b] - r0;
-    for (int64_t r = r0 + (real > 0 ? real : 0); r < r0 + rows; r++) {
-      memset(job->out + ((b * job->s + r) * kn->num_heads + h * g) * job->d, 0, sizeof(float) * (size_t)(g * job->d));
-    }
-    rows = real < rows ? (real > 0 ? real : 0) : rows;
-  }
-  if (rows == 0) return;
-  int together = kn->window == 0;
-  const int64_t n = rows_seen(job, b, h, r0 + rows - 1, keys, values);
-  int64_t seen[BLOCK_ROWS];
-  seen[rows - 1] = n;
-  for (int64_t r = 0; r < rows - 1; r++) {
-    seen[r] = rows_seen(job, b, h, r0 + r, mine, mine + most);
-    together = together && seen[r] <= n && memcmp(mine, keys, sizeof(void*) * (size_t)seen[r]) == 0;
-  }
-  for (int64_t r = 0; r < rows; r++) {
-    if (!together) { /* each row by itself */
-      const int64_t count = rows_seen(job, b, h, r0 + r, keys, values);
-      for (int64_t i = 0; i < g; i++) {
-        const int64_t at = ((b * job->s + r0 + r) * kn->num_heads + h * g + i) * job->d;
-        q[i] = job->q + at;
-        out[i] = job->out + at;
-        counts[i] = (int)count;
-      }
-      attend(q, counts, (int)g, (int)job->d, kn->scale, keys, values, (int)count, kn->half, work, out);
-      continue;
-    }
-    for (int64_t i = 0; i < g; i++) {
-      const int64_t at = ((b * job->s + r0 + r) * kn->num_heads + h * g + i) * job->d;
-      q[r * g + i] = job->q + at;
-      out[r * g + i] = job->out + at;
-      counts[r * g + i] = (int)seen[r];
-    }
-  }
-  if (together) {
-    attend(q, counts, (int)(rows * g), (int)job->d, kn->scale, keys, values, (int)n, kn->half, work, out);
-  }
-}
-
-/* the new rows of sequence b into the buffers (converted to the cache's type) */
-static void write_rows(const Job* job, int64_t b, char* keys, char* values) {
-  const size_t row = (size_t)job->d * job->elem;
-  for (int64_t r = 0; r < job->num_new[b]; r++) {
-    for (int64_t h = 0; h < job->hkv; h++) {
-      const size_t at = ((size_t)((b * job->hkv + h) * job->capacity) + (size_t)(job->before[b] + r)) * row;
-      const float* k = job->k + ((b * job->s + r) * job->hkv + h) * job->d;
-      const float* v = job->v + ((b * job->s + r) * job->hkv + h) * job->d;
-      if (job->kn->half) {
-        to_half(k, (int)job->d, (uint16_t*)(keys + at));
-        to_half(v, (int)job->d, (uint16_t*)(values + at));
-      } else {
-        memcpy(keys + at, k, row);
-        memcpy(values + at, v, row);
-      }
-    }
-  }
-}
 
 static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) {
-  const Kernel* kn = kernel;
+  const AttentionKernel* kn = kernel;
   Tensor q, k, v, past_k, past_v, out;
   TRY(input(context, 0, &q));
   TRY(input(context, 1, &k));
@@ -239,7 +80,7 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
   if (q.rank != 3 || k.rank != 3 || v.rank != 3 || past_k.rank != 4 || past_v.rank != 4) {
     return fail("attention: q, k, v must be [B, S, n D] and the caches [B, Hkv, rows, D]");
   }
-  Job job = {.kn = kn, .b = q.dims[0], .s = q.dims[1], .hkv = kn->kv_num_heads, .d = past_k.dims[3],
+  AttentionJob job = {.kn = kn, .b = q.dims[0], .s = q.dims[1], .hkv = kn->kv_num_heads, .d = past_k.dims[3],
              .elem = kn->half ? 2 : 4, .q = q.data, .k = k.data, .v = v.data};
   job.g = kn->num_heads / kn->kv_num_heads;
   if (q.dims[2] != kn->num_heads * job.d || k.dims[2] != job.hkv * job.d || v.dims[2] != job.hkv * job.d ||
@@ -262,7 +103,7 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
     const size_t bytes = (size_t)(job.b * job.hkv * job.capacity * job.d) * job.elem;
     if (present_k.data != past_k.data) memcpy(present_k.data, past_k.data, bytes); /* not bound in place */
     if (present_v.data != past_v.data) memcpy(present_v.data, past_v.data, bytes);
-    int32_t* before = malloc(sizeof(int32_t) * (size_t)job.b); /* not scratch_of: the tasks' own scratch */
+    int32_t* before = malloc(sizeof(int32_t) * (size_t)job.b);
     if (before == NULL) return api->CreateStatus(ORT_FAIL, "CachedAttention: out of memory");
     job.num_new = lengths.data;
     for (int64_t b = 0; b < job.b; b++) {
@@ -319,8 +160,7 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
       }
     }
   }
-  const size_t tasks = (size_t)(job.b * job.hkv * ((job.s + BLOCK_ROWS - 1) / BLOCK_ROWS));
-  OrtStatus* status = api->KernelContext_ParallelFor(context, attention_task, tasks, 0, &job);
+  OrtStatus* status = api->KernelContext_ParallelFor(context, attention_task, attention_tasks(&job), 0, &job);
   free((void*)job.prompt);
   free(job.rounded);
   free((void*)job.before);
@@ -333,7 +173,7 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
 static OrtStatus* ORT_API_CALL create(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info, void** out) {
   (void)a;
   const AttentionOp* self = (const AttentionOp*)op;
-  Kernel* kn = calloc(1, sizeof(Kernel));
+  AttentionKernel* kn = calloc(1, sizeof(AttentionKernel));
   if (kn == NULL) return api->CreateStatus(ORT_FAIL, "out of memory");
   kn->segmented = self->segmented;
   kn->half = self->half;
@@ -361,7 +201,7 @@ static OrtStatus* ORT_API_CALL create(const OrtCustomOp* op, const OrtApi* a, co
 static void ORT_API_CALL destroy(void* kernel) { free(kernel); }
 static const char* ORT_API_CALL name(const OrtCustomOp* op) { return ((const AttentionOp*)op)->name; }
 static const char* ORT_API_CALL cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
-static size_t ORT_API_CALL input_count(const OrtCustomOp* op) { return ((const AttentionOp*)op)->segmented ? 7 : 7; }
+static size_t ORT_API_CALL input_count(const OrtCustomOp* op) { (void)op; return 7; }
 static size_t ORT_API_CALL output_count(const OrtCustomOp* op) { return ((const AttentionOp*)op)->segmented ? 1 : 3; }
 
 static ONNXTensorElementDataType kv_type(const OrtCustomOp* op) {
