@@ -57,7 +57,7 @@ void attention_task(void* data, size_t task) {
   const int64_t b = (int64_t)task / blocks / job->hkv, g = job->g;
   const int64_t most = job->num_prompt + (kn->segmented ? job->past : job->capacity) + job->s;
   const int64_t num_vectors = BLOCK_ROWS * g;
-  void* scratch = thread_scratch(sizeof(void*) * 4 * (size_t)most + sizeof(int) * (size_t)num_vectors +
+  void* scratch = thread_scratch(SCRATCH_TASK, sizeof(void*) * 4 * (size_t)most + sizeof(int) * (size_t)num_vectors +
                              2 * sizeof(float*) * (size_t)num_vectors +
                              sizeof(float) * (size_t)attention_scratch((int)num_vectors, (int)most, (int)job->d));
   if (scratch == NULL) {

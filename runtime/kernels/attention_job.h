@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "attention.h"
+#include "scratch.h"
 
 #define BLOCK_ROWS 4 /* query positions a task attends together */
 
@@ -32,9 +33,6 @@ typedef struct {
   uint16_t* rounded; /* [B, S, 2 Hkv, D] the new rows as float16 (half caches) */
   int failed;
 } AttentionJob;
-
-/* the calling thread's scratch of at least bytes, kept between calls; NULL when it cannot grow (gguf_ops.c) */
-void* thread_scratch(size_t bytes);
 
 /* the tasks of a call: B Hkv ceil(S / BLOCK_ROWS) */
 size_t attention_tasks(const AttentionJob* job);

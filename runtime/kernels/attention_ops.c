@@ -103,13 +103,12 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
     const size_t bytes = (size_t)(job.b * job.hkv * job.capacity * job.d) * job.elem;
     if (present_k.data != past_k.data) memcpy(present_k.data, past_k.data, bytes); /* not bound in place */
     if (present_v.data != past_v.data) memcpy(present_v.data, past_v.data, bytes);
-    int32_t* before = malloc(sizeof(int32_t) * (size_t)job.b);
+    int32_t* before = thread_scratch(SCRATCH_CALL, sizeof(int32_t) * (size_t)job.b);
     if (before == NULL) return api->CreateStatus(ORT_FAIL, "CachedAttention: out of memory");
     job.num_new = lengths.data;
     for (int64_t b = 0; b < job.b; b++) {
       before[b] = ((const int32_t*)seqlens.data)[b] + 1 - job.num_new[b];
       if (job.num_new[b] < 0 || job.num_new[b] > job.s || before[b] < 0 || before[b] + job.num_new[b] > job.capacity) {
-        free(before);
         return fail("CachedAttention: a sequence's rows do not fit its buffer");
       }
     }
@@ -128,7 +127,10 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
     size_t count = 0;
     TRY(api->KernelContext_GetInputCount(context, &count));
     if (count != 6 + 2 * (size_t)job.hkv) return fail("SegmentAttention: one prompt key and value per KV head");
-    const void** prompt = malloc(sizeof(void*) * 2 * (size_t)job.hkv);
+    /* the call's own data: the prompt rows' addresses, then (half caches) the new rows as the cache will hold them */
+    const size_t num_rounded = kn->half ? (size_t)(job.b * job.s * 2 * job.hkv * job.d) : 0;
+    const void** prompt = thread_scratch(SCRATCH_CALL, sizeof(void*) * 2 * (size_t)job.hkv +
+                                                           sizeof(uint16_t) * num_rounded);
     if (prompt == NULL) return api->CreateStatus(ORT_FAIL, "SegmentAttention: out of memory");
     job.num_prompt = -1;
     for (int64_t i = 0; i < 2 * job.hkv; i++) {
@@ -137,10 +139,7 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
       if (status == NULL && (p.rank != 2 || p.dims[1] != job.d || (job.num_prompt >= 0 && p.dims[0] != job.num_prompt))) {
         status = fail("SegmentAttention: the prompt rows must be [Pp, D], as many for every head");
       }
-      if (status != NULL) {
-        free(prompt);
-        return status;
-      }
+      if (status != NULL) return status;
       job.num_prompt = p.dims[0];
       prompt[i] = p.data;
     }
@@ -148,12 +147,8 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
     job.keys = past_k.data;
     job.values = past_v.data;
     job.bias = bias.data;
-    if (kn->half) { /* the new rows as the cache will hold them */
-      job.rounded = malloc(sizeof(uint16_t) * (size_t)(job.b * job.s * 2 * job.hkv * job.d));
-      if (job.rounded == NULL) {
-        free(prompt);
-        return api->CreateStatus(ORT_FAIL, "SegmentAttention: out of memory");
-      }
+    if (kn->half) {
+      job.rounded = (uint16_t*)(prompt + 2 * job.hkv);
       for (int64_t i = 0; i < job.b * job.s; i++) {
         to_half(job.k + i * job.hkv * job.d, (int)(job.hkv * job.d), job.rounded + i * 2 * job.hkv * job.d);
         to_half(job.v + i * job.hkv * job.d, (int)(job.hkv * job.d), job.rounded + (i * 2 + 1) * job.hkv * job.d);
@@ -161,9 +156,6 @@ static OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* context) 
     }
   }
   OrtStatus* status = api->KernelContext_ParallelFor(context, attention_task, attention_tasks(&job), 0, &job);
-  free((void*)job.prompt);
-  free(job.rounded);
-  free((void*)job.before);
   if (status == NULL && job.failed) status = api->CreateStatus(ORT_FAIL, "attention: out of memory");
   return status;
 }

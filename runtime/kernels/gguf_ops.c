@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "gguf_dot.h"
+#include "scratch.h"
 
 OrtStatus* add_attention_ops(OrtCustomOpDomain* domain); /* attention_ops.c */
 
@@ -101,19 +102,16 @@ static OrtStatus* read_inputs(OrtKernelContext* context, const char* op, Tensor*
   return read_tensor(b, op, second);
 }
 
-/* The calling thread's scratch, kept between calls (a decode step runs a hundred of these ops: no allocation per op
- * once it has grown); NULL when it cannot grow. GgufMatMul keeps x's quantized rows in it, an attention task its
- * row lists and scores (attention_job.c). */
-void* thread_scratch(size_t bytes) {
-  static _Thread_local void* scratch = NULL;
-  static _Thread_local size_t capacity = 0;
-  if (bytes > capacity) {
-    void* grown = realloc(scratch, bytes);
+void* thread_scratch(int slot, size_t bytes) {
+  static _Thread_local void* scratch[SCRATCH_SLOTS];
+  static _Thread_local size_t capacity[SCRATCH_SLOTS];
+  if (bytes > capacity[slot]) {
+    void* grown = realloc(scratch[slot], bytes);
     if (grown == NULL) return NULL;
-    scratch = grown;
-    capacity = bytes;
+    scratch[slot] = grown;
+    capacity[slot] = bytes;
   }
-  return scratch;
+  return scratch[slot];
 }
 
 /* ---- GgufMatMul ---------------------------------------------------------------------------------------------- */
@@ -201,7 +199,7 @@ static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext*
 
   const int64_t scales = kn->k / kn->format.act_block, sums = kn->k / 16, scaled_sums = kn->k / 32;
   /* [M, K / act_block] scales, [M, K / 32] scaled sums, [M, K / 16] sums, [M, K] int8 levels */
-  char* scratch = thread_scratch((size_t)(m * kn->k + m * (scales + scaled_sums) * sizeof(float) +
+  char* scratch = thread_scratch(SCRATCH_TASK, (size_t)(m * kn->k + m * (scales + scaled_sums) * sizeof(float) +
                                       m * sums * sizeof(int16_t)));
   if (scratch == NULL) return api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
   float* d = (float*)scratch;
