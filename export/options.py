@@ -16,13 +16,16 @@ from typing import Literal
 from staticlm.errors import InvalidOption
 from staticlm.runtime import kernels
 from staticlm.runtime.family.quant_params import KVBits, Quant
+from staticlm.runtime.session.compile_memory import default_budget
 from staticlm.runtime.session.device import max_context_weight_bytes
 
 from .cpu.options import KV_DTYPES, CpuAttention, CpuOptions, GridMinima, WeightBits, default_kv_dtype
 from .family import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, DEFAULT_VERIFY_LENS, ExportOptions
 from .gptq.options import GptqOptions, Rounding
 from .htp.options import QuantOptions
+from .htp.plan import GraphPlan
 from .option_fields import coerce, int_list, option, parse_bits_budget, parse_bytes, parse_parts
+from .parts import PartSizing
 from .sources import DEFAULT_NAMES
 
 TARGETS = ("float", "cpu", "htp")
@@ -51,12 +54,17 @@ class ExportRequest:
                         metavar="SOURCE")
     out_dir: Path | None = option(None, "output directory (default: the default model's own in the staticlm home, "
                                   "else NAME-staticlm here)", flag="--out")
-    contexts: tuple[int, ...] = option(DEFAULT_CONTEXTS, "context sizes, e.g. 256,512,1024,2048", flag="--context",
-                                       parse=_contexts, metavar="N,N,...")
-    prefill_len: int = option(DEFAULT_PREFILL_LEN, "AR of the prefill graph", low=2)
+    contexts: tuple[int, ...] | None = option(None, "context sizes (default 256,512,1024,2048; --target htp: the "
+                                              "device ladder 512,1024,2048,4096, up to the model's positions)",
+                                              flag="--context", parse=_contexts, metavar="N,N,...")
+    prefill_len: int | None = option(None, "AR of the prefill (prompt) graph (default 64; --target htp: 128)", low=2)
+    token_len: int | None = option(None, "with --target htp: rows of the token graph, 1 for a decode graph or k for "
+                                   "a k-row verify graph that also decodes (lookup drafts in its padding rows; "
+                                   "default 8)", low=1)
     draft_layers: int | None = option(None, "export only the first K layers: a draft model for --speculate draft:DIR")
-    batch_sizes: tuple[int, ...] = option(DEFAULT_BATCH_SIZES, "batched decode graphs for --num-responses; 'none' "
-                                          "for none", parse=_lens, metavar="N,N,...")
+    batch_sizes: tuple[int, ...] | None = option(None, "batched decode graphs for --num-responses (default 4; "
+                                                 "--target htp: none); 'none' for none", parse=_lens,
+                                                 metavar="N,N,...")
     verify_lens: tuple[int, ...] | None = option(None, "extra AR=N graphs for speculative verification (default "
                                                  "4,8,16, those under --prefill-len; 'none' for none)", parse=_lens,
                                                  metavar="N,N,...")
@@ -110,6 +118,9 @@ class ExportRequest:
                                    "(default 57)")
     max_context_bytes: int | None = option(None, "with --parts auto: the weight bytes one context holds, instead of "
                                            "the SoC's (e.g. 1900M)", parse=parse_bytes, metavar="BYTES")
+    compile_memory: int | None = option(None, "with --parts auto --target htp: the memory one part's compile may "
+                                        "take (default: this machine's RAM less 4G, at most 12G, what a 16 GB laptop "
+                                        "spares); smaller makes smaller parts", parse=parse_bytes, metavar="BYTES")
     quiet: bool = option(False, "no progress bar and no summary on stderr")
 
     def __post_init__(self) -> None:
@@ -141,11 +152,21 @@ class ExportRequest:
 
     # -- what the export is made from ------------------------------------------------------------------------
     def family_options(self) -> ExportOptions:
-        """The graphs' shapes; verify lengths not given: the defaults that fit under the prefill length."""
+        """The graphs' shapes (not --target htp's: graph_plan); verify lengths not given: the defaults that fit under
+        the prefill length."""
+        prefill_len = self.prefill_len or DEFAULT_PREFILL_LEN
         verify = self.verify_lens if self.verify_lens is not None else tuple(
-            n for n in DEFAULT_VERIFY_LENS if n < self.prefill_len)
-        return ExportOptions(contexts=self.contexts, prefill_len=self.prefill_len, verify_lens=verify,
-                             batch_sizes=self.batch_sizes)
+            n for n in DEFAULT_VERIFY_LENS if n < prefill_len)
+        return ExportOptions(contexts=self.contexts or DEFAULT_CONTEXTS, prefill_len=prefill_len, verify_lens=verify,
+                             batch_sizes=DEFAULT_BATCH_SIZES if self.batch_sizes is None else self.batch_sizes)
+
+    def graph_plan(self, max_positions: int) -> GraphPlan:
+        """--target htp: the device plan (export/htp/plan.py) for a model of max_positions, with what was given."""
+        default = GraphPlan.default_for(max_positions)
+        prompt_len = self.prefill_len or default.prompt_len
+        token_len = self.token_len or min(default.token_len, prompt_len - 1)  # the default fits under the prompt
+        return default.with_options(contexts=self.contexts, prompt_len=prompt_len, token_len=token_len,
+                                    batch_sizes=self.batch_sizes, extra_verify_lens=self.verify_lens)
 
     def gptq_options(self) -> GptqOptions | None:
         """How float weights are rounded on calibration traces (--rounding, --grid, --bits-budget); None: rtn."""
@@ -187,15 +208,19 @@ class ExportRequest:
         return QuantOptions(quant=quant, kv_bits=KVBits(self.kv_bits or 16), gptq=self.gptq_options(),
                             **({"calib_steps": self.calib_steps} if self.calib_steps is not None else {}))
 
-    def parts_plan(self) -> tuple[int | None, int | None]:
-        """(a number of layer-group parts, or None; the weight bytes a part may hold when the export chooses the
-        groups, or None)."""
-        if self.parts == "auto":
+    def parts_plan(self) -> tuple[int | None, PartSizing | None]:
+        """(a number of layer-group parts, or None; what the export sizes the parts for when it chooses them, or
+        None). --target htp chooses them (--parts auto) unless given a number."""
+        auto = self.parts == "auto" or (self.parts is None and self.target == "htp")
+        if auto:
             if self.target != "htp":
                 raise InvalidOption("--parts auto fits HTP contexts: use it with --target htp (or give --parts N)")
-            return None, max_context_weight_bytes(self.soc_model, override=self.max_context_bytes)
-        if self.soc_model is not None or self.max_context_bytes is not None:
-            raise InvalidOption("--soc-model and --max-context-bytes choose parts: use them with --parts auto")
+            return None, PartSizing(max_context_bytes=max_context_weight_bytes(self.soc_model,
+                                                                               override=self.max_context_bytes),
+                                    compile_memory=self.compile_memory or default_budget())
+        if self.soc_model is not None or self.max_context_bytes is not None or self.compile_memory is not None:
+            raise InvalidOption("--soc-model, --max-context-bytes and --compile-memory size the parts --target htp "
+                                "chooses: leave out --parts N")
         return self.parts, None
 
     def describe(self) -> str:

@@ -12,8 +12,11 @@ same KV tensors of its layers. Two uses:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -28,6 +31,7 @@ from staticlm.runtime.family.manifest import (
     load_manifest,
 )
 from staticlm.runtime.family.weights import external_bytes
+from staticlm.runtime.session.compile_memory import GIB, CompileEstimate, max_part_bytes
 
 BOUNDARY_SUFFIXES = ("_out_normed", "_out_residual")  # in the order a part binds them
 # what a chain runs: generation, prompt chunks and verification (not the batched segment graphs)
@@ -73,6 +77,53 @@ def weight_bytes_by_layer(family_dir: str | Path, manifest: Manifest) -> tuple[l
     return [b + shared for b in per_layer], first, last
 
 
+@dataclass(frozen=True)
+class PartSizing:
+    """What `--parts auto` sizes an HTP family's parts for: the weight bytes one context holds (the SoC's), and the
+    memory one part's compile may take (runtime/session/compile_memory.py)."""
+    max_context_bytes: int
+    compile_memory: int
+
+
+def _num_context_graphs(manifest: Manifest) -> tuple[int, int]:
+    """(graphs a layer part's context holds, graphs a part without layers holds: the embedding's or the head's,
+    which no context length changes, so the ladder's rungs share them)."""
+    entries = [g for g in manifest.graphs if g.kind in PART_KINDS]
+    free = {(g.kind is GraphKind.SINK, g.shape.batch, g.shape.ar) for g in entries}
+    return len({g.file for g in entries}), len(free)
+
+
+def sized_groups(family_dir: str | Path, sizing: PartSizing) -> list[tuple[int, int]]:
+    """The family's layer groups for --parts auto: one group when the whole family compiles within the budget and
+    fits one context; otherwise the embedding and the head each a part of their own (few graphs to compile), and
+    the fewest layer groups between them whose weights fit both the context and the compile budget."""
+    manifest = load_manifest(family_dir)
+    per_layer, first, last = weight_bytes_by_layer(family_dir, manifest)
+    num_graphs, num_free = _num_context_graphs(manifest)
+    layer_max = min(sizing.max_context_bytes, max_part_bytes(sizing.compile_memory, num_graphs=num_graphs))
+    if sum(per_layer) + first + last <= layer_max:
+        return [(0, len(per_layer))]
+    end_max = min(sizing.max_context_bytes, max_part_bytes(sizing.compile_memory, num_graphs=num_free))
+    for what, size in (("the embedding", first), ("the head", last)):
+        if size > end_max:
+            raise PartTooLarge(_too_large(what, size, num_graphs=num_free, sizing=sizing))
+    if per_layer and max(per_layer) > layer_max:
+        k = int(np.argmax(per_layer))
+        raise PartTooLarge(_too_large(f"layer {k}", per_layer[k], num_graphs=num_graphs, sizing=sizing))
+    n = len(per_layer)
+    return [(0, 0), *groups_by_bytes(per_layer, first=0, last=0, max_bytes=layer_max), (n, n)]
+
+
+def _too_large(what: str, size: int, *, num_graphs: int, sizing: PartSizing) -> str:
+    peak = CompileEstimate(weight_bytes=size, num_graphs=num_graphs).peak_bytes
+    if size > sizing.max_context_bytes:
+        return (f"{what} needs {size} bytes of weights, over one context's {sizing.max_context_bytes}: no part can "
+                f"hold it")
+    return (f"{what} ({size} bytes of weights) alone needs about {peak / GIB:.1f} GiB to compile {num_graphs} graphs, "
+            f"over --compile-memory {sizing.compile_memory / GIB:.1f} GiB: give more, or fewer graphs (--context "
+            f"rungs)")
+
+
 def groups_by_bytes(per_layer: list[int], *, first: int, last: int, max_bytes: int) -> list[tuple[int, int]]:
     """The fewest contiguous layer groups whose weights (the first with `first` bytes more, the last with `last`)
     each stay within max_bytes; PartTooLarge names a layer that cannot fit any part."""
@@ -92,7 +143,18 @@ def groups_by_bytes(per_layer: list[int], *, first: int, last: int, max_bytes: i
     return groups + [(a, n)]
 
 
+def _embedded(graph: onnx.GraphProto) -> list[str]:
+    """The embedding's rows: the output of the Gather that reads the token ids."""
+    found = [n.output[0] for n in graph.node if n.op_type == "Gather" and Role.INPUT_IDS.value in n.input]
+    if len(found) != 1:
+        raise ValueError(f"graph {graph.name} has no single embedding Gather to cut after")
+    return found
+
+
 def _boundary(graph: onnx.GraphProto, layer: int, produced: set[str]) -> list[str]:
+    """The residual stream after `layer` (-1: the embedding's rows)."""
+    if layer < 0:
+        return _embedded(graph)
     names = [f"l{layer}{suffix}" for suffix in BOUNDARY_SUFFIXES]
     found = [n for n in names if n in produced]
     if not found:
@@ -124,7 +186,7 @@ def split_graph(model: onnx.ModelProto, groups: list[tuple[int, int]], *, kv_lay
     """model cut into one graph per layer group; kv_layer: each KV input/output name's layer."""
     graph = model.graph
     producers = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
-    boundaries = [_boundary(graph, b - 1, set(producers)) for _a, b in groups[:-1]]
+    boundaries = [_boundary(graph, b - 1, set(producers)) for _a, b in groups[:-1]]  # (0, 0): the embedding
     inits = {t.name: t for t in graph.initializer}
     values = {v.name: v for v in (*graph.input, *graph.output)}
     for name in (n for names in boundaries for n in names):
@@ -149,6 +211,18 @@ def split_graph(model: onnx.ModelProto, groups: list[tuple[int, int]], *, kv_lay
         proto.ir_version = model.ir_version
         parts.append(proto)
     return parts
+
+
+def _context_free_key(part: onnx.ModelProto, kv_layer: dict[str, int]) -> str | None:
+    """A part that reads and writes no KV (the embedding's, the head's) is the same graph at every rung of the
+    ladder: its content without its name, else None."""
+    names = {v.name for v in (*part.graph.input, *part.graph.output)}
+    if names & set(kv_layer):
+        return None
+    proto = onnx.ModelProto()
+    proto.CopyFrom(part)
+    proto.graph.name, proto.doc_string = "", ""
+    return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _part_specs(part: onnx.ModelProto, entry: GraphEntry, *, hidden_size: int) -> tuple[tuple, tuple]:
@@ -182,6 +256,7 @@ def add_parts(family_dir: str | Path, num_parts: int | None = None, *,
         if entry.kind in PART_KINDS:
             by_file.setdefault(entry.file, []).append(entry)
     part_entries: dict[str, tuple[GraphEntry, ...]] = {}
+    written: dict[str, tuple[str, str]] = {}  # a part without KV, by its content: (file, sha256)
     for file, entries in by_file.items():
         model = onnx.load(family_dir / file, load_external_data=False)
         first = entries[0]
@@ -192,9 +267,15 @@ def add_parts(family_dir: str | Path, num_parts: int | None = None, *,
         stem = Path(file).stem
         files = []
         for k, part in enumerate(split_graph(model, groups, kv_layer=kv_layer, hidden_shape=hidden_shape)):
+            key = _context_free_key(part, kv_layer)
+            if key in written:  # the same graph at another rung: one file, one graph to compile
+                files.append((*written[key], part))
+                continue
             part_file = f"{stem}.part{k}.onnx"
             onnx.save_model(part, family_dir / part_file)
             files.append((part_file, file_sha256(family_dir / part_file), part))
+            if key is not None:
+                written[key] = files[-1][:2]
         for entry in entries:
             chain = []
             for k, (part_file, sha, part) in enumerate(files):

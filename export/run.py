@@ -19,8 +19,9 @@ from .cpu.family import export_cpu_family, num_cpu_steps
 from .draft import truncate_layers
 from .family import export_family, num_steps, staged_output
 from .htp.family import export_quantized_family, num_quant_steps
+from .htp.plan_report import plan_report
 from .options import ExportRequest
-from .parts import add_parts, auto_groups, layer_groups
+from .parts import add_parts, layer_groups, sized_groups
 from .sources import LoadedModel, load_model
 
 Report = Callable[..., None]  # report(what, advance=1, total=None)
@@ -42,9 +43,11 @@ def target_writer(request: ExportRequest) -> TargetWriter:
     if request.target == "htp":
         quant, prompts = request.quant_options(), calibration_prompts()
         return TargetWriter(
-            lambda config: num_quant_steps(options, len(prompts), quant.quant) + quant.num_gptq_steps(config),
-            lambda loaded, out, on_step: export_quantized_family(loaded, out, options=options, quant=quant,
-                                                                 prompts=prompts, on_step=on_step))
+            lambda config: num_quant_steps(request.graph_plan(config.max_positions).float_options(), len(prompts),
+                                           quant.quant) + quant.num_gptq_steps(config),
+            lambda loaded, out, on_step: export_quantized_family(
+                loaded, out, plan=request.graph_plan(loaded.config.max_positions), quant=quant, prompts=prompts,
+                on_step=on_step))
     return TargetWriter(lambda _config: num_steps(options),
                         lambda loaded, out, on_step: export_family(loaded, out, options=options, on_step=on_step))
 
@@ -57,7 +60,7 @@ def export_model(request: ExportRequest, *, report: Report | None = None,
     report = report or (lambda *_args, **_kw: None)
     note = note or (lambda _line: None)
     writer = target_writer(request)
-    num_parts, max_part_bytes = request.parts_plan()
+    num_parts, sizing = request.parts_plan()
     out = request.out_dir
     report(f"reading {request.model}", advance=0)
     loaded = load_model(request.model)
@@ -71,15 +74,16 @@ def export_model(request: ExportRequest, *, report: Report | None = None,
     report("writing weights")
     if num_parts is not None:
         layer_groups(loaded.config.num_layers, num_parts)  # refused before the (possibly slow) export
-    if num_parts is None and max_part_bytes is None:
+    if num_parts is None and sizing is None:
         return writer.write(loaded, out, lambda name: report(f"wrote {name}"))
     # the family and its parts replace out together: an export stopped while its parts are cut leaves out as it was
     with staged_output(out) as family:
         manifest = writer.write(loaded, family, lambda name: report(f"wrote {name}"))
         if num_parts is not None:
             return add_parts(family, num_parts)
-        groups = auto_groups(family, max_bytes=max_part_bytes)
+        groups = sized_groups(family, sizing)
         if len(groups) > 1:  # one group: the whole graphs already fit one context
             manifest = add_parts(family, groups=groups)
-    note(f"--parts auto: {len(groups)} layer group(s) {groups} within {max_part_bytes} bytes a context")
+    for line in plan_report(out, sizing=sizing, plan=request.graph_plan(loaded.config.max_positions)):
+        note(line)
     return manifest

@@ -37,8 +37,8 @@ def test_help_lists_every_option_of_the_table():
         assert _squeezed(s.help) in out, f.name
         for choice in s.choices:
             assert choice in out, (f.name, choice)
-    assert _squeezed("AR of the prefill graph (default: 64)") in out
-    assert _squeezed("(default: 256,512,1024,2048)") in out
+    assert _squeezed("AR of the prefill (prompt) graph (default 64; --target htp: 128)") in out
+    assert _squeezed("(default 256,512,1024,2048; --target htp: the device ladder 512,1024,2048,4096") in out
 
 
 def test_the_cli_makes_the_same_request_as_python():

@@ -17,6 +17,7 @@ from test_cli_errors import assert_one_line_error, staticlm
 
 from staticlm.export.family import ExportOptions, export_family
 from staticlm.export.htp.options import QuantOptions
+from staticlm.export.htp.plan import GraphPlan
 from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.family.quant_params import KVBits, Quant
 from staticlm.runtime.session.device import Device, DeviceOptions
@@ -35,9 +36,10 @@ def _export(hf_dir: Path, out: Path, *, q4_1_source: bool = False, **quant) -> P
         grids = {n: _q4_1_grid(w) for n, w in model.weights.items() if n.endswith("proj.weight")}
         model = dataclasses.replace(model, weights={**model.weights, **{n: g.dequantize() for n, g in grids.items()}},
                                     grids=grids)
-    # no batch sizes: the single graphs only (the segmented batched ones: tests/test_segment_htp.py)
-    options = ExportOptions(contexts=TINY_CONTEXTS, prefill_len=TINY_PREFILL, verify_lens=(4,), batch_sizes=())
-    export_quantized_family(model, out, options=options, quant=QuantOptions(calib_steps=24, **quant))
+    # the device plan (export/htp/plan.py): per rung a prompt graph and a 4-row token graph that decodes, the sink;
+    # no batch sizes (the segmented batched graphs: tests/test_segment_htp.py)
+    plan = GraphPlan(contexts=TINY_CONTEXTS, prompt_len=TINY_PREFILL, token_len=4)
+    export_quantized_family(model, out, plan=plan, quant=QuantOptions(calib_steps=24, **quant))
     return out
 
 
@@ -133,8 +135,8 @@ def file_boundary(path: Path) -> dict[str, tuple[float, int, str]]:
 def test_kv_boundary_is_integer_and_pairs_share_parameters(family, kv_dtype, request):
     directory = request.getfixturevalue(family)
     graphs = sorted(directory.glob("*.onnx"))
-    # decode, prefill and verify at each of the two contexts, and the sink graph (not for KV only)
-    assert len(graphs) == 2 * 3 + (family != "tiny_kv_only")
+    # a prompt graph and a token graph at each of the two contexts, and the sink graph (not for KV only)
+    assert len(graphs) == 2 * 2 + (family != "tiny_kv_only")
     family_params: dict[str, tuple] = {}
     for path in graphs:
         b = file_boundary(path)

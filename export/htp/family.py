@@ -55,6 +55,7 @@ from .blocks import grid_overrides, to_block_weights
 from .groups import group_ranges, quantize_groups
 from .kv_only import add_kv_boundary
 from .memory import ExportSize, check_memory, export_size, out_of_memory
+from .plan import GraphPlan
 from .qdq import (
     Ranges,
     boundary_params,
@@ -308,12 +309,17 @@ def _scratch(out_dir: Path):
         shutil.rmtree(work, ignore_errors=True)
 
 
-def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
+def export_quantized_family(model: LoadedModel, out_dir: str | Path, *, quant: QuantOptions,
+                            plan: GraphPlan | None = None, options: ExportOptions | None = None,
                             prompts: list[str] | None = None, on_step: Callable[[str], None] | None = None) -> Manifest:
-    """Write the quantized family into out_dir atomically; returns its manifest."""
+    """Write the quantized family of plan's graphs (or of every shape options name) into out_dir atomically; returns
+    its manifest."""
+    plan = plan or (GraphPlan.of_options(options) if options else GraphPlan.default_for(model.config.max_positions))
+    options = plan.float_options()
+    plan.check(num_segment_graphs=len(htp_segment_shapes(options, local_layers=bool(model.config.local_layers))))
     size = _export_size(model, options, quant)
     try:
-        return _export(model, out_dir, options=options, quant=quant, prompts=prompts, on_step=on_step, size=size)
+        return _export(model, out_dir, plan=plan, quant=quant, prompts=prompts, on_step=on_step, size=size)
     except MemoryError:  # numpy's or onnxruntime's allocation failed: nothing written (staged_family)
         raise out_of_memory(size, streamed=_streamed(model, quant)) from None
 
@@ -336,9 +342,9 @@ def _export_size(model: LoadedModel, options: ExportOptions, quant: QuantOptions
                        window_rows=min(options.contexts) - options.prefill_len, max_context=max_context)
 
 
-def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, quant: QuantOptions,
+def _export(model: LoadedModel, out_dir: str | Path, *, plan: GraphPlan, quant: QuantOptions,
             prompts: list[str] | None, on_step: Callable[[str], None] | None, size: ExportSize) -> Manifest:
-    config, out_dir = model.config, Path(out_dir)
+    config, out_dir, options = model.config, Path(out_dir), plan.float_options()
     segment_shapes = htp_segment_shapes(options, local_layers=bool(config.local_layers))
     options = dataclasses.replace(options, htp_style=True, batch_sizes=())  # see export/graph/htp_style.py
     options.validate(config.max_positions)
@@ -384,7 +390,7 @@ def _export(model: LoadedModel, out_dir: str | Path, *, options: ExportOptions, 
             sink = _sink_template(template, float_dir, fm, traces.sink_steps, fq=fq, config=config)
             step("quantized template")
         entries = []
-        for entry in fm.graphs:
+        for entry in filter(plan.keeps, fm.graphs):
             pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
             float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
             if quant.quant is Quant.KV_ONLY:

@@ -1,6 +1,7 @@
 """The model runner: prefill and decode over a graph family, KV in the kv_manager's buffers."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -40,6 +41,8 @@ class Engine:
         self.manifest: Manifest = load_manifest(self.model_dir)
         self.options = options = options or EngineOptions()
         self.device = resolve_device(options.device.device, family=self.manifest, model_dir=self.model_dir)
+        if self.device is Device.HTP and self.manifest.parts is not None and self.manifest.parts.device_sized:
+            options = self.options = dataclasses.replace(options, run_parts=True)  # its whole graphs never compile
         cfg = self.manifest.model
         self.config = cfg
         self.batch = batch

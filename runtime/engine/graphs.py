@@ -26,6 +26,16 @@ def with_rows(chunks: tuple[GraphEntry, ...], rows: int | None, *, config, kv_dt
     return tuple(out)
 
 
+def token_graphs(multi: tuple[GraphEntry, ...]) -> tuple[GraphEntry, ...]:
+    """The ladder of the fewest-row graphs that score every row: where a family has no decode graph (an NPU plan's
+    token graph, export/htp/plan.py), a decode step runs there, its one real row followed by padding rows."""
+    scoring = [g for g in multi if g.logit_rows == g.shape.ar]
+    if not scoring:
+        return ()
+    ar = min(g.shape.ar for g in scoring)
+    return tuple(sorted((g for g in scoring if g.shape.ar == ar), key=lambda g: g.shape.past_len))
+
+
 class EngineGraphs:
     """The graphs an Engine of `batch` rows runs: decode (a ladder by past length), prompt chunks, verify ladders
     by AR, the sink. prefill_rows, run_parts, bmc_r: the EngineOptions of the same names."""
@@ -35,6 +45,8 @@ class EngineGraphs:
         self.config, self.kv_dtype, self.layout = manifest.model, manifest.kv_dtype, layout
         self.decode = manifest.graphs_of(GraphKind.DECODE, batch=batch)
         multi = manifest.graphs_of(GraphKind.PREFILL, batch=batch)
+        if not self.decode:  # a device plan's token graph verifies k rows and decodes through them (padding rows)
+            self.decode = token_graphs(multi)
         if not self.decode:
             raise ValueError(f"{model_dir} has no decode graph for batch {batch}: export it with "
                              f"--batch-sizes {batch}" if batch > 1 else f"{model_dir} has no decode graph")

@@ -13,7 +13,7 @@ import onnxruntime as ort
 
 from staticlm.kv_manager import KVCache, attention_bias
 from staticlm.runtime.engine.runner import FamilyContext, bind_hidden
-from staticlm.runtime.family.contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role, TensorSpec
+from staticlm.runtime.family.contract import KV_INPUT_ROLES, KV_OUTPUT_ROLES, Role, TensorSpec, graph_io
 from staticlm.runtime.family.manifest import GraphEntry
 from staticlm.runtime.family.quant_params import FamilyQuant
 from staticlm.runtime.session.ort_binding import BindingTable, IOBinding
@@ -31,7 +31,7 @@ def _kv_table(specs: tuple[TensorSpec, ...], roles: tuple[Role, Role], *, num_kv
         return (s.layer * num_kv_heads + s.kv_head) * 2 + (s.role == roles[1])
 
     kv = sorted((s for s in specs if s.role in roles), key=lambda s: (index(s), s.seq or 0))
-    return [(s.name, np.dtype(s.dtype), list(s.shape)) for s in kv], np.unique([index(s) for s in kv])
+    return [(s.name, np.dtype(s.dtype), list(s.shape)) for s in kv], np.unique(np.array([index(s) for s in kv], int))
 
 
 def _graph_array(spec: TensorSpec, host: np.ndarray, *, quant: FamilyQuant | None, conversions: list) -> np.ndarray:
@@ -63,7 +63,9 @@ class WindowRunner:
         self.entry, self.shape = entry, entry.shape
         self._rope = family.rope
         self._binding = IOBinding(session)
-        by_role = {s.role: s for s in entry.inputs if s.role not in KV_INPUT_ROLES}
+        # a part without attention (the embedding's, the head's) reads no RoPE rows or mask: the whole graph's shapes
+        by_role = {s.role: s for s in graph_io(family.config, self.shape)[0] if s.role not in KV_INPUT_ROLES}
+        by_role |= {s.role: s for s in entry.inputs if s.role not in KV_INPUT_ROLES}
         self.input_ids = np.zeros((self.shape.batch, self.shape.ar), np.int64)  # [B, AR]
         self._row_offsets = np.arange(self.shape.ar)  # [AR] position of each new row after the cached ones
         self._positions = np.zeros(self.input_ids.shape, np.int64)  # [B, AR] absolute position of each new row
@@ -76,7 +78,7 @@ class WindowRunner:
         self._to_graph, self._from_graph = [], []
         for role, array in ((Role.INPUT_IDS, self.input_ids), (Role.ROPE_COS, self.rope_cos),
                             (Role.ROPE_SIN, self.rope_sin), (Role.ATTENTION_BIAS, self.attention_bias)):
-            spec = by_role.get(role)
+            spec = next((s for s in entry.inputs if s.role is role), None)
             if spec is not None:  # a layer-group part (export/parts.py) takes only what its layers read
                 self._binding.bind_input(spec.name, _graph_array(spec, array, quant=family.quant,
                                                                  conversions=self._to_graph))
@@ -114,7 +116,7 @@ class WindowRunner:
     def _bind_local(self, by_role: dict, family: FamilyContext) -> None:
         """A model with local layers: their own RoPE rows and a sliding mask over min(P, W-1) past rows."""
         self._local_rope, self._window = None, family.config.local_window
-        if Role.ATTENTION_BIAS_LOCAL not in by_role:
+        if not any(s.role is Role.ATTENTION_BIAS_LOCAL for s in self.entry.inputs):
             return
         self._local_rope = family.local_rope
         self.local_past_len = by_role[Role.ATTENTION_BIAS_LOCAL].shape[-1] - self.shape.ar

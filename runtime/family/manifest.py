@@ -81,6 +81,12 @@ class LayerParts:
     layers: tuple[tuple[int, int], ...]
     graphs: Mapping[str, tuple[GraphEntry, ...]]
 
+    @property
+    def device_sized(self) -> bool:
+        """Cut for an NPU's compile memory (export/parts.py sized_groups): the embedding and the head are parts of
+        their own, and the whole graphs are never compiled, only the parts."""
+        return self.layers[0] == (0, 0)
+
     def to_dict(self) -> dict:
         return {"layers": [list(g) for g in self.layers],
                 "graphs": {name: [e.to_dict() for e in entries] for name, entries in self.graphs.items()}}
@@ -94,8 +100,11 @@ class LayerParts:
                                 f"got {_short(d)}")
         layers = d["layers"]
         ends = [b for g in layers if _is_pair(g) for b in g]
+        # An empty group may stand first (the embedding alone) or last (the final norm and the head alone)
+        empty_ok = [k in (0, len(layers) - 1) and len(layers) > 1 for k in range(len(layers))]
         if not layers or len(ends) != 2 * len(layers) or ends[0] != 0 or ends[-1] != num_layers or \
-                any(a >= b for a, b in zip(ends[::2], ends[1::2])) or ends[1:-1:2] != ends[2::2]:
+                any(a > b or (a == b and not ok) for a, b, ok in zip(ends[::2], ends[1::2], empty_ok)) or \
+                ends[1:-1:2] != ends[2::2]:
             raise ManifestError(f"manifest field parts.layers must be [a, b) groups covering layers 0..{num_layers} "
                                 f"in order, got {_short(layers)}")
         shapes = {g.name: g.shape for g in graphs}

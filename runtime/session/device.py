@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -153,7 +152,9 @@ def context_groups(model_dir: Path) -> tuple[tuple[Path, ...], ...]:
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
     groups = []
-    if manifest.weights_bytes <= MAX_CONTEXT_WEIGHT_BYTES or manifest.parts is None:
+    whole_fits = manifest.weights_bytes <= MAX_CONTEXT_WEIGHT_BYTES and not (manifest.parts and
+                                                                             manifest.parts.device_sized)
+    if whole_fits or manifest.parts is None:
         groups.append(tuple(sorted({model_dir / g.file for g in manifest.graphs})))
     by_part: dict[int, set[Path]] = {}
     for chain in manifest.parts.graphs.values() if manifest.parts else ():
@@ -181,46 +182,28 @@ def _htp_session_options(options: DeviceOptions) -> ort.SessionOptions:
     return so
 
 
-def compile_shared_context(model_dir: Path, *, options: DeviceOptions,
-                           on_graph: Callable[[Path], None] | None = None) -> Path:
-    """Each context group of the family (context_groups: the whole graphs, and each layer group's parts) into one
-    QNN context binary whose graphs share their weights. Returns the cache directory (.qnn_cache) that holds them;
-    a device loads them instead of compiling (see qnn_context.py). on_graph(file) runs after each graph (progress)."""
-    model_dir = Path(model_dir)
-    for files in context_groups(model_dir):
-        _compile_group(files, options=options, on_graph=on_graph)
-    return model_dir / ".qnn_cache"
+def qnn_version() -> str:
+    return _qnn_version()
 
 
-def _compile_group(files: tuple[Path, ...], *, options: DeviceOptions,
-                   on_graph: Callable[[Path], None] | None) -> Path:
-    """files into one context binary (one session group: ep.share_ep_contexts, the last with
-    ep.stop_share_ep_contexts)."""
-    key = qnn_context.cache_key(list(files), options.soc_model, _qnn_version())
-    out = qnn_context.shared_context_dir(files[0].parent / ".qnn_cache", key)
-    if qnn_context.is_complete(out, list(files)):
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for i, f in enumerate(files):  # one group: sessions must be created in order, the last one closes it
+def compile_group_into(files: tuple[Path, ...], directory: Path, *, options: DeviceOptions,
+                       on_graph: Callable[[int, Path], None] | None = None) -> None:
+    """files into one context binary in directory, whose graphs share their weights: one session group
+    (ep.share_ep_contexts), created in order, the last with ep.stop_share_ep_contexts. on_graph(number from 1, file)
+    after each. part_compile.py runs this in a process of its own per part."""
+    directory.mkdir(parents=True)
+    for i, f in enumerate(files):
         so = _htp_session_options(options)
-        ctx = qnn_context.shared_context_model(tmp, f)
+        ctx = qnn_context.shared_context_model(directory, f)
         for k, v in qnn_context.compile_entries(f, ctx, group=True, last=i == len(files) - 1).items():
             so.add_session_config_entry(k, v)
         try:
             with native_stdout_to_stderr():
                 ort.InferenceSession(str(f), sess_options=so)
-        except BaseException as e:  # Ctrl-C included: no half-compiled group is left behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not isinstance(e, Exception):
-                raise
+        except Exception as e:  # noqa: BLE001 -- ORT's errors derive from Exception alone
             raise DeviceError(f"the HTP backend could not compile {f.name}: {str(e).splitlines()[0][:300]}") from None
         if on_graph is not None:
-            on_graph(f)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+            on_graph(i + 1, f)
 
 
 def compile_graph_contexts(model_dir: Path, *, options: DeviceOptions,
@@ -245,9 +228,9 @@ def _shared_context_for(path: Path, cache_dir: Path, options: DeviceOptions) -> 
     files = next((g for g in context_groups(path.parent) if path in g), None)
     if files is None:
         return None
-    shared = qnn_context.shared_context_dir(cache_dir, qnn_context.cache_key(list(files), options.soc_model,
-                                                                               _qnn_version()))
-    return qnn_context.shared_context_model(shared, path) if qnn_context.is_complete(shared, list(files)) else None
+    key = qnn_context.cache_key(list(files), options.soc_model, _qnn_version())
+    shared = qnn_context.shared_context_dir(cache_dir, key)
+    return qnn_context.shared_context_model(shared, path) if qnn_context.is_complete(shared, list(files), key) else None
 
 
 def _create_htp_session(path: Path, *, options: DeviceOptions, cache_dir: Path | None,

@@ -70,6 +70,51 @@ def compile_entries(model_path: Path, ctx_path: Path, *, group: bool = False, la
     return entries
 
 
-def is_complete(shared_dir: Path, model_paths: list[Path]) -> bool:
-    return (shared_dir.is_dir() and any(shared_dir.glob("*.bin"))
+# A finished shared context's record, written last (part_compile.py): the key, the SoC, the versions, and the
+# binaries' sizes and SHA-256
+RECORD = "complete.json"
+
+
+def binary_sha256(directory: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(directory.glob("*.bin")):
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def write_record(directory: Path, *, key: str, soc_model: str, qnn_version: str, ort_version: str) -> None:
+    """The record of a finished shared context, written last."""
+    bins = sorted(directory.glob("*.bin"))
+    record = {"key": key, "soc_model": soc_model, "onnxruntime_qnn": qnn_version, "onnxruntime": ort_version,
+              "binaries": {p.name: p.stat().st_size for p in bins}, "sha256": binary_sha256(directory)}
+    (directory / RECORD).write_text(json.dumps(record, indent=1))
+
+
+def read_record(directory: Path) -> dict | None:
+    try:
+        record = json.loads((directory / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def is_verified(directory: Path, key: str, *, check_hash: bool) -> bool:
+    """A finished part: its record names this key and the binaries it lists are there at their sizes (and, with
+    check_hash, hash to the recorded SHA-256)."""
+    record = read_record(directory)
+    if record is None or record.get("key") != key or not isinstance(record.get("binaries"), dict):
+        return False
+    for name, size in record["binaries"].items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+    return not check_hash or record.get("sha256") == binary_sha256(directory)
+
+
+def is_complete(shared_dir: Path, model_paths: list[Path], key: str) -> bool:
+    """A finished shared context of these graphs under this key (sizes checked, not the hash: part_compile checks
+    that when it resumes)."""
+    return (is_verified(shared_dir, key, check_hash=False)
             and all(shared_context_model(shared_dir, p).is_file() for p in model_paths))

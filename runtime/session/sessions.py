@@ -8,13 +8,22 @@ options, the weight mapping every CPU session shares (family/weights.py) and the
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import onnxruntime as ort
 
 from staticlm.runtime.family.manifest import GraphEntry
 from staticlm.runtime.family.weights import SharedWeights
+from staticlm.runtime.session import qnn_context
 from staticlm.runtime.session.device import Device, DeviceOptions, PackedSource, create_session
+from staticlm.runtime.session.part_compile import PartDone, compile_family
+
+
+def _first_load_note(done: PartDone) -> None:
+    if done.peak_rss_bytes:  # compiled now, not kept from an earlier load
+        print(f"staticlm: compiled part {done.part} of the family for this NPU in {done.seconds:.0f} s (once: later "
+              f"loads reuse it)", file=sys.stderr)
 
 
 class GraphSessions:
@@ -25,6 +34,8 @@ class GraphSessions:
         self.model_dir, self.device, self.options = Path(model_dir), device, options
         self.shared_weights, self.packed_dir = shared_weights, packed_dir
         self._open: dict[Path, ort.InferenceSession] = {}  # graph file -> its session
+        if device is Device.HTP and not qnn_context.EMULATOR:  # a device compiles on first load, part by part
+            compile_family(self.model_dir, options=options, on_part=_first_load_note)
 
     @property
     def files(self) -> frozenset[Path]:
