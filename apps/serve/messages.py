@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from staticlm.runtime.generate.sequence_request import Delta
 from staticlm.runtime.generate.text_stream import FinishReason
 
-from .errors import api_error, bad_value
+from .body import validated
+from .errors import bad_value
 from .jobs import Job
 from .schemas import ChatRequest
 
@@ -21,7 +22,7 @@ STOP = {FinishReason.EOS: "end_turn", FinishReason.STOP_STRING: "stop_sequence",
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class Block(_Open):
@@ -56,12 +57,12 @@ class Thinking(_Open):
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage]
     system: str | list[Block] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = None  # any number (chat's cap of 4 is OpenAI's)
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -146,7 +147,15 @@ def to_chat_request(req: MessagesRequest) -> ChatRequest:
                             f"{req.thinking.budget_tokens}")
         else:
             body["reasoning_budget"] = req.thinking.budget_tokens
-    return ChatRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    return validated(ChatRequest, {k: v for k, v in body.items() if v is not None},
+                     context={"max_stop_strings": None})
+
+
+def chat_names(req: MessagesRequest) -> dict[str, str]:
+    """The chat request's fields as the Messages API names them (errors about the translated request)."""
+    tools = {f"tools[{k}].function.{a}": f"tools[{k}].{b}" for k in range(len(req.tools or ()))
+             for a, b in (("parameters", "input_schema"), ("name", "name"), ("description", "description"))}
+    return {**tools, "stop": "stop_sequences", "chat_template_kwargs": "thinking", "reasoning_budget": "thinking"}
 
 
 def _blocks(job: Job, text: str) -> tuple[list[dict[str, Any]], bool]:
@@ -245,7 +254,7 @@ async def message_stream(job: Job, is_disconnected) -> AsyncIterator[str]:
                                            "usage": {"output_tokens": len(ev.token_ids)}})
         yield _event("message_stop", {})
     except Exception as e:  # noqa: BLE001 -- headers are sent: the error goes into the stream
-        yield f"event: error\ndata: {json.dumps(api_error(e).body(anthropic=True))}\n\n"
+        yield f"event: error\ndata: {json.dumps(job.failed(e).body(anthropic=True))}\n\n"
 
 
-__all__ = ["CountRequest", "MessagesRequest", "message_response", "message_stream", "to_chat_request"]
+__all__ = ["CountRequest", "MessagesRequest", "chat_names", "message_response", "message_stream", "to_chat_request"]

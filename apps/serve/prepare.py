@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from staticlm.kv_manager import ContextFull, Overflow
+from staticlm.kv_manager import Overflow
 from staticlm.runtime.family.generation_defaults import FIELDS as SAMPLING_FIELDS
 from staticlm.runtime.family.generation_defaults import resolve
 from staticlm.runtime.generate.sampling import SamplingParams
@@ -59,23 +59,32 @@ def _params(state: ServeState, req: SamplingFields, *, max_new: int, num_prompt_
     given = {name: pick(getattr(req, name), getattr(o, name)) for name in SAMPLING_FIELDS}
     try:
         sampling = SamplingParams(**resolve(given, state.model.manifest.generation_defaults),
-                                  seed=pick(req.seed, o.seed), presence_penalty=req.presence_penalty or 0.0,
+                                  seed=o.seed if req.seed is None else req.seed_or_none(),
+                                  presence_penalty=req.presence_penalty or 0.0,
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   logit_bias=_logit_bias(state, req.logit_bias), num_prompt_tokens=num_prompt_tokens)
-    except ValueError as e:
-        raise bad_value("sampling", str(e)) from None
+    except ValueError as e:  # the fields are validated against the schema first: a bad run option's default
+        raise bad_value(_named_field(str(e)), str(e)) from None
     stop = req.stop_strings() if req.stop is not None else o.stop
     return GenerationParams(max_new_tokens=max_new, sampling=sampling, stop_strings=stop,
                             ignore_eos=req.ignore_eos or o.ignore_eos)
+
+
+def _named_field(message: str) -> str | None:
+    """The request field a sampling check names (its message names the CLI option: --top-p -> top_p)."""
+    for name in (*SAMPLING_FIELDS, "presence_penalty", "frequency_penalty", "logit_bias"):
+        if message.startswith((f"--{name.replace('_', '-')} ", f"{name} ")):
+            return name
+    return None
 
 
 def _limit(state: ServeState, asked: int | None) -> int:
     return min(asked or state.options.max_new_tokens, state.max_context - 1)
 
 
-def _too_long(state: ServeState, n: int) -> ContextFull:
-    return ContextFull(f"the prompt has {n} tokens; this model's context holds {state.max_context} "
-                       "(the answer needs at least one more)")
+def _too_long(state: ServeState, n: int, *, param: str) -> APIError:
+    return APIError(400, f"the prompt has {n} tokens; this model's context holds {state.max_context} "
+                    "(the answer needs at least one more)", param=param, code="context_length_exceeded")
 
 
 def check_choices(state: ServeState, n: int) -> None:
@@ -156,7 +165,7 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
     limit = _limit(state, req.limit())
     if len(ids) >= state.max_context:
         if state.options.overflow is not Overflow.SLIDE:
-            raise _too_long(state, len(ids))
+            raise _too_long(state, len(ids), param="messages")
         room = max_prompt_tokens(max_context=state.max_context, max_new_tokens=limit)
         ids, _ = fmt.fitted_prompt_ids(messages, max_tokens=room, **kwargs)
     constraint, names = None, None
@@ -207,7 +216,7 @@ def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
     limit = _limit(state, req.limit())
     if len(ids) >= state.max_context:
         if state.options.overflow is not Overflow.SLIDE:
-            raise _too_long(state, len(ids))
+            raise _too_long(state, len(ids), param="prompt")
         ids = ids[len(ids) - max_prompt_tokens(max_context=state.max_context, max_new_tokens=limit):]  # keep the end
     return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids)),
                                                    num_prompt_tokens=len(ids)),
