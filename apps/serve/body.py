@@ -135,9 +135,12 @@ def validated(model: type[BaseModel], data: dict, *, context: dict | None = None
 
 
 def invalid(error: ValidationError, data: Any) -> APIError:
-    first = error.errors()[0]
-    param = param_name(_in_data(data, tuple(first["loc"]), missing=first["type"] == "missing"))
-    return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param, code="invalid_value")
+    """The 400 for a body the model refused: of its errors, the one deepest in the data (a union's members each
+    report one: {"type": "function"} as tool_choice is missing its name, not a bad string)."""
+    found = [(_in_data(data, tuple(e["loc"]), missing=e["type"] == "missing"), e["msg"]) for e in error.errors()]
+    loc, message = max(found, key=lambda item: len(item[0]))  # the first among the deepest
+    param = param_name(loc)
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
 
 
 def _first_line(error: BaseException) -> str:

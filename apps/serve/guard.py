@@ -10,7 +10,7 @@ import ipaddress
 
 from starlette.requests import Request
 
-from .errors import APIError
+from .errors import APIError, api_error
 from .state import ServeState
 
 PUBLIC_PATHS = ("/health",)
@@ -103,7 +103,12 @@ class Guard:
             error = self.refusal(scope)
             if error is not None:
                 return await error.response(path=path)(scope, receive, counted_send)
-            await self.app(scope, self._timed(receive, body), counted_send)
+            try:
+                await self.app(scope, self._timed(receive, body), counted_send)
+            except Exception as e:  # noqa: BLE001 -- a bug: answered (and counted) here, its traceback logged
+                if status["code"] != CLIENT_ABORT:
+                    raise  # the answer had started: nothing more can be said
+                await api_error(e).response(path=path)(scope, receive, counted_send)
         finally:
             self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
             self.state.metrics.count_error(status["code"])

@@ -17,11 +17,17 @@ streamed answer, holds its connection (and a streamed answer's rows) for as long
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 BODY_GRACE_S = 1.0  # after the body timeout: the Guard's 408 goes first where the app reads the body
+# A connection's kernel send buffer: Linux grows it to 4 MB by default, which a client that stops reading fills
+# before the transport's own buffer (64 KiB) ever pauses writing; capped, such a client is noticed soon (and holds
+# little memory). Still far more than an SSE stream needs in flight on loopback.
+SEND_BUFFER_BYTES = 256 << 10
 
 
 def guarded_protocol(*, header_timeout_s: float, max_connections: int, body_timeout_s: float = 60.0,
@@ -38,6 +44,10 @@ def guarded_protocol(*, header_timeout_s: float, max_connections: int, body_time
                                     len(self.connections), max_connections)
                 transport.abort()
                 return
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             self._arm_header_timer()
 
         def connection_lost(self, exc) -> None:
