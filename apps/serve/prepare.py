@@ -2,6 +2,7 @@
 parameters with the server's run options as defaults, and the grammar that constrains the output."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,26 @@ def _named_field(message: str) -> str | None:
     return None
 
 
+@functools.cache
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (its vocabulary string's length bounds its text's: a byte-level
+    BPE writes a byte a character, SentencePiece's byte tokens are "<0xAB>")."""
+    return max((len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size)), default=1) or 1
+
+
+def check_text_fits(state: ServeState, num_chars: int, *, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose text alone needs more tokens than the context holds (a 4 MB
+    prompt would take the tokenizer a minute and gigabytes to be refused after): each token covers at most
+    max_token_chars characters. Under --on-overflow slide a long prompt is cut, not refused: it is tokenized."""
+    if state.options.overflow is Overflow.SLIDE:
+        return
+    least = -(-num_chars // max_token_chars(state.model.tokenizer))
+    if least >= state.max_context:
+        raise APIError(400, f"the prompt has at least {least} tokens; this model's context holds "
+                       f"{state.max_context} (the answer needs at least one more)", param=param,
+                       code="context_length_exceeded")
+
+
 def _limit(state: ServeState, asked: int | None) -> int:
     return min(asked or state.options.max_new_tokens, state.max_context - 1)
 
@@ -151,6 +172,7 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
         raise bad_value("messages", "messages must not be empty")
     check_messages(req.messages)
     check_choices(state, req.n)
+    check_text_fits(state, sum(len(m.text()) for m in req.messages), param="messages")
     fmt = state.model.format
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice or ("auto" if tools else "none")
@@ -205,6 +227,7 @@ def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
             raise bad_value("prompt", "one prompt per request")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_text_fits(state, len(prompt), param="prompt")
         text, ids = prompt, state.model.tokenizer.encode(prompt, add_special_tokens=True)
     else:
         vocab = state.model.manifest.model.vocab_size
