@@ -327,3 +327,11 @@ def test_a_fifo_in_the_cache_dir_is_skipped_and_sigterm_stops_the_server(tiny_ch
     text = log.read_text()
     assert sum("trap.slot" in line and "not a regular file" in line for line in text.splitlines()) == 1, text
     assert "Traceback" not in text
+
+
+def test_a_wrong_method_is_a_405_with_a_code(hostile):
+    base, _ = hostile
+    before = _errors(base)
+    r = httpx.get(f"{base}/v1/chat/completions", headers=AUTH, timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    _still_serving(base, before, num_client_errors=1)

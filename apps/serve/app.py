@@ -76,7 +76,7 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException):
-        kind = "not_found" if error.status_code == 404 else None
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
         return APIError(error.status_code, str(error.detail), code=kind).response(path=request.url.path)
 
     @app.exception_handler(Exception)
