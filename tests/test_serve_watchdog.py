@@ -17,6 +17,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
 STARTUP_S = 60
+SEND_TIMEOUT_S = 1
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +30,12 @@ def in_process(tiny_chat_family):
     from staticlm.runtime.options import RunOptions
 
     port = free_port()
-    serve = ServeOptions(port=port)
+    serve = ServeOptions(port=port, send_timeout_s=SEND_TIMEOUT_S)
     app = build_server(RunOptions(model_dir=tiny_chat_family, device="cpu", num_threads=THREADS), serve)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2,
                             http=guarded_protocol(header_timeout_s=serve.header_timeout_s,
-                                                  max_connections=serve.max_connections))
+                                                  max_connections=serve.max_connections,
+                                                  send_timeout_s=serve.send_timeout_s))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -108,3 +110,35 @@ def test_a_request_that_raises_in_the_loop_frees_its_rows(in_process, monkeypatc
     assert _server_errors(base) == before + 1
     again = httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, timeout=20)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_rows_freed_while_it_decodes(in_process, monkeypatch):
+    """Decoding slowed to 25 ms a choice's token (two choices: 20 s for the answer): a client that reads none of its
+    stream is dropped after the send timeout (once the socket buffers are full) and its choices are cancelled
+    (not finished at their length), before they would have ended."""
+    import socket
+
+    from staticlm.runtime.generate import loop
+
+    base = in_process
+    choose = loop.choose
+
+    def slow_choose(*args, **kwargs):
+        time.sleep(0.025)
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "choose", slow_choose)
+    before = httpx.get(f"{base}/health", timeout=10).json()["cancelled"]
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 400, "n": 2,
+                       "ignore_eos": True, "temperature": 1, "logprobs": True, "top_logprobs": 20}).encode()
+    t0 = time.monotonic()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        health = wait_idle(base, timeout=30, until=lambda h: h["cancelled"] >= before + 2)
+        seconds = time.monotonic() - t0
+    assert health["cancelled"] == before + 2, f"the stalled stream was not dropped: {health}"
+    assert health["rows_in_use"] == 0 and seconds < 400 * 2 * 0.025, seconds
