@@ -239,6 +239,10 @@ def test_five_stop_sequences_are_taken_by_the_messages_api(hostile):
     assert r.status_code == 200 and r.json()["type"] == "message", r.text
     r = _post(base, "/v1/chat/completions", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]})  # OpenAI's cap
     assert _openai_error(r, "stop")
+    # bounded all the same: each stop string is checked at every token on the engine's thread
+    assert "64" in _anthropic_error(_post(base, "/v1/messages", {**body, "stop_sequences": ["a"] * 65}))["message"]
+    assert "256" in _openai_error(_post(base, "/v1/chat/completions", {"messages": MSG, "stop": "a" * 257}),
+                                  "stop")["message"]
 
 
 HUGE = "1" * 5000  # past Python's 4,300-digit limit for int()

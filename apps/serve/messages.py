@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from staticlm.runtime.generate.sequence_request import Delta
 from staticlm.runtime.generate.text_stream import FinishReason
@@ -15,7 +15,9 @@ from staticlm.runtime.generate.text_stream import FinishReason
 from .body import validated
 from .errors import bad_value
 from .jobs import Job
-from .schemas import ChatRequest
+from .schemas import ChatRequest, check_stop_lengths
+
+MAX_STOP_SEQUENCES = 64  # the API names no cap; each one costs every token a check (schemas.MAX_STOP_CHARS)
 
 STOP = {FinishReason.EOS: "end_turn", FinishReason.STOP_STRING: "stop_sequence", FinishReason.LENGTH: "max_tokens",
         FinishReason.CANCELLED: "end_turn"}
@@ -62,7 +64,7 @@ class MessagesRequest(BaseModel):
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage]
     system: str | list[Block] | None = None
-    stop_sequences: list[str] | None = None  # any number (chat's cap of 4 is OpenAI's)
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)  # not chat's 4 (OpenAI's cap)
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -71,6 +73,12 @@ class MessagesRequest(BaseModel):
     tool_choice: AnthropicToolChoice | None = None
     thinking: Thinking | None = None
     ignore_eos: bool = False  # llama-server's extra: decode to max_tokens (benchmarks)
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_lengths(cls, v: list[str] | None) -> list[str] | None:
+        check_stop_lengths(v or [])
+        return v
 
 
 class CountRequest(MessagesRequest):

@@ -6,12 +6,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-MAX_STOP_STRINGS = 4  # OpenAI's; the Messages API takes any number (messages.py validates with no cap)
+MAX_STOP_STRINGS = 4  # OpenAI's; the Messages API's own cap is MAX_STOP_SEQUENCES (messages.py)
+# Each choice checks every stop string at every token on the engine's thread (runtime/text/stopping.py: its held
+# suffix is as long as the longest stop string), so their number and length are bounded: no API says how long a
+# stop string may be, and none needs one this long.
+MAX_STOP_CHARS = 256
 MAX_CHOICES = 64  # the scheduler refuses more than the batch rows, with the real number
 # seed: any 64-bit value; -1 means "a random seed" as in llama-server (and as leaving it out does)
 RANDOM_SEED = -1
 MAX_SEED = 2**64 - 1
 MAX_TOP_K = 2**31 - 1  # past any vocabulary: top_k that large keeps every token
+
+
+def check_stop_lengths(stops: list[str]) -> None:
+    for stop in stops:
+        if len(stop) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(stop)}")
 
 
 class _Body(BaseModel):
@@ -115,9 +125,10 @@ class SamplingFields(_Body):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
-        limit = (info.context or {}).get("max_stop_strings", MAX_STOP_STRINGS)  # None: the Messages API's, no cap
+        limit = (info.context or {}).get("max_stop_strings", MAX_STOP_STRINGS)  # None: checked by the Messages API
         if isinstance(v, list) and limit is not None and len(v) > limit:
             raise ValueError(f"at most {limit} stop strings")
+        check_stop_lengths([v] if isinstance(v, str) else v or [])
         return v
 
     def seed_or_none(self) -> int | None:
