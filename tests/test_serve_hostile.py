@@ -339,3 +339,10 @@ def test_a_wrong_method_is_a_405_with_a_code(hostile):
     r = httpx.get(f"{base}/v1/chat/completions", headers=AUTH, timeout=10)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
     _still_serving(base, before, num_client_errors=1)
+
+
+def test_a_send_timeout_that_is_not_positive_is_refused_before_the_model_loads():
+    for value in ("0", "-1", "nan"):
+        r = subprocess.run(serve_command("--model", "nowhere", "--send-timeout", value), capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode != 0 and r.stderr.count("\n") == 1 and "--send-timeout" in r.stderr, r.stderr
