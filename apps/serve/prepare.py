@@ -87,9 +87,10 @@ def max_token_chars(tokenizer) -> int:
 
 
 def check_text_fits(state: ServeState, num_chars: int, *, param: str) -> None:
-    """Refuse, before tokenizing it, a prompt whose text alone needs more tokens than the context holds (a 4 MB
-    prompt would take the tokenizer a minute and gigabytes to be refused after): each token covers at most
-    max_token_chars characters. Under --on-overflow slide a long prompt is cut, not refused: it is tokenized."""
+    """Refuse, before tokenizing it, a prompt whose text alone needs more tokens than the context holds (the
+    tokenizer's time and memory grow with a prompt of megabytes, only for it to be refused after): each token
+    covers at most max_token_chars characters. Under --on-overflow slide a long prompt is cut, not refused: it is
+    tokenized."""
     if state.options.overflow is Overflow.SLIDE:
         return
     least = -(-num_chars // max_token_chars(state.model.tokenizer))
