@@ -134,6 +134,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--body-timeout", type=float, default=ServeOptions.body_timeout_s,
                    help="seconds a request has to send its body; past it, 408 "
                         f"(default {ServeOptions.body_timeout_s:g})")
+    s.add_argument("--send-timeout", type=float, default=ServeOptions.send_timeout_s,
+                   help="seconds a client may read none of its answer (a stream it stopped reading); past it, "
+                        f"the connection is dropped and its rows freed (default {ServeOptions.send_timeout_s:g})")
     s.add_argument("--max-connections", type=int, default=ServeOptions.max_connections,
                    help=f"open connections; past it, new ones are closed (default {ServeOptions.max_connections})")
     s.add_argument("--reasoning-format", choices=REASONING_FORMATS, default=ServeOptions.reasoning_format,
@@ -199,6 +202,7 @@ def dispatch(args: argparse.Namespace) -> int:
                                                model_id=args.model_id,
                                                header_timeout_s=args.header_timeout,
                                                body_timeout_s=args.body_timeout,
+                                               send_timeout_s=args.send_timeout,
                                                max_connections=args.max_connections,
                                                reasoning_format=args.reasoning_format,
                                                reasoning_budget=args.reasoning_budget))

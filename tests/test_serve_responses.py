@@ -92,7 +92,7 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server, clien
              ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "y"}]}, "input[0].call_id"),
              ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}]},
               "input[0].content[0]"),
-             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]")]
+             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type")]
     for body, param in cases:
         r = post(body)
         assert r.status_code == 400, r.text

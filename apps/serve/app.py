@@ -14,10 +14,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .body import ClientGone, read_body
-from .errors import APIError, api_error
+from .errors import APIError, api_error, renamed
 from .guard import CLIENT_ABORT, BodyTimeout, Guard
 from .jobs import Job
-from .messages import CountRequest, MessagesRequest, message_response, message_stream, to_chat_request
+from .messages import CountRequest, MessagesRequest, chat_names, message_response, message_stream, to_chat_request
+from .openapi import openapi_document
 from .prepare import prepare_chat, prepare_completion
 from .responses import ResponsesRequest, prepare_response, response_answer, response_stream
 from .schemas import ChatRequest, CompletionRequest
@@ -75,7 +76,7 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException):
-        kind = "not_found" if error.status_code == 404 else None
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
         return APIError(error.status_code, str(error.detail), code=kind).response(path=request.url.path)
 
     @app.exception_handler(Exception)
@@ -89,6 +90,12 @@ def build_app(state: ServeState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    document = openapi_document(title=f"staticlm serve: {state.model_id}")
+
+    @app.get("/openapi.json")
+    async def openapi():
+        return document
 
     @app.get("/v1/models")
     async def models():
@@ -152,7 +159,10 @@ def build_app(state: ServeState) -> FastAPI:
 
 
 def _prepare_message(state: ServeState, body: MessagesRequest):
-    return prepare_chat(state, to_chat_request(body))
+    try:
+        return prepare_chat(state, to_chat_request(body))
+    except APIError as e:
+        raise renamed(e, chat_names(body)) from None
 
 
 def submitted(state: ServeState, prep, *, kind: str) -> Job:

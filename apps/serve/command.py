@@ -38,7 +38,8 @@ def check_serve_options(serve: ServeOptions) -> None:
         raise InvalidOption(f"--max-queue must be >= 0, got {serve.max_queue}")
     if serve.max_body_bytes is not None and serve.max_body_bytes < MIN_BODY_BYTES:
         raise InvalidOption(f"--max-body-bytes must be >= {MIN_BODY_BYTES}, got {serve.max_body_bytes}")
-    for flag, value in (("--header-timeout", serve.header_timeout_s), ("--body-timeout", serve.body_timeout_s)):
+    for flag, value in (("--header-timeout", serve.header_timeout_s), ("--body-timeout", serve.body_timeout_s),
+                        ("--send-timeout", serve.send_timeout_s)):
         if not value > 0:  # also NaN
             raise InvalidOption(f"{flag} must be > 0 seconds, got {value}")
     if serve.max_connections < 1:
@@ -91,7 +92,8 @@ def run_serve(options: RunOptions, serve: ServeOptions) -> int:
 
     from .protocol import guarded_protocol
 
-    protocol = guarded_protocol(header_timeout_s=serve.header_timeout_s, max_connections=serve.max_connections)
+    protocol = guarded_protocol(header_timeout_s=serve.header_timeout_s, max_connections=serve.max_connections,
+                                body_timeout_s=serve.body_timeout_s, send_timeout_s=serve.send_timeout_s)
     print(f"staticlm serve: {app.state.model_id} on http://{serve.host}:{serve.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=2,

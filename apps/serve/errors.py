@@ -1,9 +1,10 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the status that goes with them."""
 from __future__ import annotations
 
+import re
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from staticlm.errors import UserError
 from staticlm.kv_manager import ContextFull
@@ -61,14 +62,26 @@ def api_error(error: BaseException) -> APIError:
     if isinstance(error, ContextFull):
         return APIError(400, _first_line(error), param="messages", code="context_length_exceeded")
     if isinstance(error, UserError):
-        return APIError(400, _first_line(error))
+        return APIError(400, _first_line(error), code="invalid_value")
     # A bug: the client gets a bare 500, the server's stderr keeps the traceback.
     traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
-    return APIError(500, f"internal error: {type(error).__name__}", type="server_error")
+    return APIError(500, f"internal error: {type(error).__name__}", type="server_error", code="internal_error")
 
 
-def bad_value(param: str, message: str) -> APIError:
+def bad_value(param: str | None, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-__all__ = ["APIError", "api_error", "bad_value"]
+def renamed(error: APIError, names: dict[str, str]) -> APIError:
+    """An error about a translated request (a chat request built from a Responses or Messages body) with its
+    `param` named as the client's API names it: {"messages": "input"} turns "messages[2].content" into
+    "input[2].content" (in the message too)."""
+    param = error.param
+    for old, new in names.items():
+        if param is not None and re.match(re.escape(old) + r"($|[.\[])", param):
+            new_param = new + param[len(old):]
+            return replace(error, param=new_param, message=error.message.replace(param, new_param))
+    return error
+
+
+__all__ = ["APIError", "api_error", "bad_value", "renamed"]

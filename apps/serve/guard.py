@@ -10,12 +10,12 @@ import ipaddress
 
 from starlette.requests import Request
 
-from .errors import APIError
+from .errors import APIError, api_error
 from .state import ServeState
 
 PUBLIC_PATHS = ("/health",)
 KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
-               "/v1/messages/count_tokens", "/v1/responses")
+               "/v1/messages/count_tokens", "/v1/responses", "/openapi.json")
 LOOPBACK_NAMES = ("localhost", "localhost.")
 CLIENT_ABORT = 499  # the status /metrics counts a request under when its client left before the answer
 
@@ -87,38 +87,56 @@ class Guard:
         path = scope["path"]
         endpoint = path if path in KNOWN_PATHS else "other"
         status = {"code": CLIENT_ABORT}  # stays so when no answer starts: the client left first
+        body = {"done": not _has_body(scope)}
 
         async def counted_send(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                headers = list(message.get("headers", []))
+                if not body["done"] and (b"connection", b"close") not in headers:
+                    # answered before the body was read (401, 404, 413...): the rest of it is never read, so the
+                    # connection cannot carry another request; it closes once this answer is sent
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
 
         try:
             error = self.refusal(scope)
             if error is not None:
                 return await error.response(path=path)(scope, receive, counted_send)
-            await self.app(scope, self._timed(receive), counted_send)
+            try:
+                await self.app(scope, self._timed(receive, body), counted_send)
+            except Exception as e:  # noqa: BLE001 -- a bug: answered (and counted) here, its traceback logged
+                if status["code"] != CLIENT_ABORT:
+                    raise  # the answer had started: nothing more can be said
+                await api_error(e).response(path=path)(scope, receive, counted_send)
         finally:
             self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+            self.state.metrics.count_error(status["code"])
 
-    def _timed(self, receive):
-        """receive, with the whole body due within the body timeout (waits after it, for a disconnect, are not)."""
+    def _timed(self, receive, body: dict):
+        """receive, with the whole body due within the body timeout (waits after it, for a disconnect, are not);
+        body["done"] is set once it is all in."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.state.serve.body_timeout_s
-        done = False
 
         async def timed_receive():
-            nonlocal done
-            if done:
+            if body["done"]:
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(deadline - loop.time(), 0.0))
             except asyncio.TimeoutError:
                 raise BodyTimeout from None
-            done = message["type"] != "http.request" or not message.get("more_body", False)
+            body["done"] = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         return timed_receive
+
+
+def _has_body(scope) -> bool:
+    """Whether the request declares a body (a Content-Length past 0, or a chunked one)."""
+    headers = dict(scope.get("headers") or ())
+    length = headers.get(b"content-length", b"0").strip()
+    return b"transfer-encoding" in headers or not (length.isdigit() and int(length) == 0)
 
 
 __all__ = ["CLIENT_ABORT", "BodyTimeout", "Guard", "host_name", "is_loopback_name"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from staticlm.runtime.generate.sequence_request import Admitted, Delta, Failed, Finished, SequenceRequest, TokenLogprob
 
-from .errors import api_error
+from .errors import APIError, api_error
 from .formats import (
     FINISH,
     chat_chunk,
@@ -67,6 +67,12 @@ class Job:
                 yield event
         finally:
             self.close()
+
+    def failed(self, error: BaseException) -> APIError:
+        """What a stream says of an error after its headers went out (a 200 already counted): counted here."""
+        err = api_error(error)
+        self.state.metrics.count_error(err.status)
+        return err
 
     def close(self) -> None:
         """The client is gone (or the response is complete): an unfinished request frees its rows."""
@@ -176,7 +182,7 @@ class Job:
             if self.prep.include_usage:
                 yield sse(usage_chunk(**head, obj="chat.completion.chunk", usage_=self.usage()))
         except Exception as e:  # noqa: BLE001 -- headers are sent: the error goes into the stream
-            yield sse(api_error(e).body())
+            yield sse(self.failed(e).body())
         yield sse("[DONE]")
 
     # -- completions --------------------------------------------------------------------------------
@@ -211,7 +217,7 @@ class Job:
             if self.prep.include_usage:
                 yield sse(usage_chunk(**head, obj="text_completion", usage_=self.usage()))
         except Exception as e:  # noqa: BLE001 -- headers are sent: the error goes into the stream
-            yield sse(api_error(e).body())
+            yield sse(self.failed(e).body())
         yield sse("[DONE]")
 
 

@@ -7,21 +7,24 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from staticlm.runtime.generate.sequence_request import Delta
 from staticlm.runtime.generate.text_stream import FinishReason
 
-from .errors import api_error, bad_value
+from .body import validated
+from .errors import bad_value
 from .jobs import Job
-from .schemas import ChatRequest
+from .schemas import ChatRequest, check_stop_lengths
+
+MAX_STOP_SEQUENCES = 64  # the API names no cap; each one costs every token a check (schemas.MAX_STOP_CHARS)
 
 STOP = {FinishReason.EOS: "end_turn", FinishReason.STOP_STRING: "stop_sequence", FinishReason.LENGTH: "max_tokens",
         FinishReason.CANCELLED: "end_turn"}
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class Block(_Open):
@@ -56,12 +59,12 @@ class Thinking(_Open):
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage]
     system: str | list[Block] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)  # not chat's 4 (OpenAI's cap)
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -70,6 +73,12 @@ class MessagesRequest(BaseModel):
     tool_choice: AnthropicToolChoice | None = None
     thinking: Thinking | None = None
     ignore_eos: bool = False  # llama-server's extra: decode to max_tokens (benchmarks)
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_lengths(cls, v: list[str] | None) -> list[str] | None:
+        check_stop_lengths(v or [])
+        return v
 
 
 class CountRequest(MessagesRequest):
@@ -146,7 +155,15 @@ def to_chat_request(req: MessagesRequest) -> ChatRequest:
                             f"{req.thinking.budget_tokens}")
         else:
             body["reasoning_budget"] = req.thinking.budget_tokens
-    return ChatRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    return validated(ChatRequest, {k: v for k, v in body.items() if v is not None},
+                     context={"max_stop_strings": None})
+
+
+def chat_names(req: MessagesRequest) -> dict[str, str]:
+    """The chat request's fields as the Messages API names them (errors about the translated request)."""
+    tools = {f"tools[{k}].function.{a}": f"tools[{k}].{b}" for k in range(len(req.tools or ()))
+             for a, b in (("parameters", "input_schema"), ("name", "name"), ("description", "description"))}
+    return {**tools, "stop": "stop_sequences", "chat_template_kwargs": "thinking", "reasoning_budget": "thinking"}
 
 
 def _blocks(job: Job, text: str) -> tuple[list[dict[str, Any]], bool]:
@@ -245,7 +262,7 @@ async def message_stream(job: Job, is_disconnected) -> AsyncIterator[str]:
                                            "usage": {"output_tokens": len(ev.token_ids)}})
         yield _event("message_stop", {})
     except Exception as e:  # noqa: BLE001 -- headers are sent: the error goes into the stream
-        yield f"event: error\ndata: {json.dumps(api_error(e).body(anthropic=True))}\n\n"
+        yield f"event: error\ndata: {json.dumps(job.failed(e).body(anthropic=True))}\n\n"
 
 
-__all__ = ["CountRequest", "MessagesRequest", "message_response", "message_stream", "to_chat_request"]
+__all__ = ["CountRequest", "MessagesRequest", "chat_names", "message_response", "message_stream", "to_chat_request"]

@@ -16,6 +16,10 @@ class ServeMetrics:
         self.requests = Counter("staticlm_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.client_aborts = Counter("staticlm_client_aborts", "requests whose client left before the answer "
                                      "(mid-body or while it was computed)", registry=r)
+        self.client_errors = Counter("staticlm_client_errors", "requests refused for what the client sent (a 4xx "
+                                     "answer, or an error event in a stream, a client abort not counted)", registry=r)
+        self.server_errors = Counter("staticlm_server_errors", "requests that failed on the server's side (a 5xx "
+                                     "answer, or an error event in a stream)", registry=r)
         self.prompt_tokens = Counter("staticlm_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.cached_tokens = Counter("staticlm_prompt_cached_tokens", "prompt tokens the prompt cache held",
                                      registry=r)
@@ -34,6 +38,13 @@ class ServeMetrics:
                                ("staticlm_prompt_cache_rows", "cached_rows", "free rows holding a cached prefix"),
                                ("staticlm_cancelled_choices", "cancelled", "choices ended by a client that left")):
             Gauge(name, doc, registry=r).set_function(lambda key=key: status()[key])
+
+    def count_error(self, status: int) -> None:
+        """An answer's status, or a streamed error's: counted as the client's error or the server's."""
+        if status >= 500:
+            self.server_errors.inc()
+        elif 400 <= status < 499:  # (499: the client left, counted as a client abort)
+            self.client_errors.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

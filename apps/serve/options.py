@@ -32,6 +32,7 @@ class ServeOptions:
     model_id: str | None = None  # default: the model directory's name
     header_timeout_s: float = 10.0  # a connection's request headers must be complete within this
     body_timeout_s: float = 60.0  # a request's body must be complete within this of its headers (past it: 408)
+    send_timeout_s: float = 30.0  # a client that reads none of its answer for this long is dropped (its rows freed)
     max_connections: int = 128  # open connections; past it, a new one is closed at once
     keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
     reasoning_format: str = "auto"  # auto/deepseek: <think> text goes to reasoning_content; none: left in content

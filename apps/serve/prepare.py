@@ -2,10 +2,11 @@
 parameters with the server's run options as defaults, and the grammar that constrains the output."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-from staticlm.kv_manager import ContextFull, Overflow
+from staticlm.kv_manager import Overflow
 from staticlm.runtime.family.generation_defaults import FIELDS as SAMPLING_FIELDS
 from staticlm.runtime.family.generation_defaults import resolve
 from staticlm.runtime.generate.sampling import SamplingParams
@@ -59,23 +60,53 @@ def _params(state: ServeState, req: SamplingFields, *, max_new: int, num_prompt_
     given = {name: pick(getattr(req, name), getattr(o, name)) for name in SAMPLING_FIELDS}
     try:
         sampling = SamplingParams(**resolve(given, state.model.manifest.generation_defaults),
-                                  seed=pick(req.seed, o.seed), presence_penalty=req.presence_penalty or 0.0,
+                                  seed=o.seed if req.seed is None else req.seed_or_none(),
+                                  presence_penalty=req.presence_penalty or 0.0,
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   logit_bias=_logit_bias(state, req.logit_bias), num_prompt_tokens=num_prompt_tokens)
-    except ValueError as e:
-        raise bad_value("sampling", str(e)) from None
+    except ValueError as e:  # the fields are validated against the schema first: a bad run option's default
+        raise bad_value(_named_field(str(e)), str(e)) from None
     stop = req.stop_strings() if req.stop is not None else o.stop
     return GenerationParams(max_new_tokens=max_new, sampling=sampling, stop_strings=stop,
                             ignore_eos=req.ignore_eos or o.ignore_eos)
+
+
+def _named_field(message: str) -> str | None:
+    """The request field a sampling check names (its message names the CLI option: --top-p -> top_p)."""
+    for name in (*SAMPLING_FIELDS, "presence_penalty", "frequency_penalty", "logit_bias"):
+        if message.startswith((f"--{name.replace('_', '-')} ", f"{name} ")):
+            return name
+    return None
+
+
+@functools.cache
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (its vocabulary string's length bounds its text's: a byte-level
+    BPE writes a byte a character, SentencePiece's byte tokens are "<0xAB>")."""
+    return max((len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size)), default=1) or 1
+
+
+def check_text_fits(state: ServeState, num_chars: int, *, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose text alone needs more tokens than the context holds (the
+    tokenizer's time and memory grow with a prompt of megabytes, only for it to be refused after): each token
+    covers at most max_token_chars characters. Under --on-overflow slide a long prompt is cut, not refused: it is
+    tokenized."""
+    if state.options.overflow is Overflow.SLIDE:
+        return
+    least = -(-num_chars // max_token_chars(state.model.tokenizer))
+    if least >= state.max_context:
+        raise APIError(400, f"the prompt has at least {least} tokens; this model's context holds "
+                       f"{state.max_context} (the answer needs at least one more)", param=param,
+                       code="context_length_exceeded")
 
 
 def _limit(state: ServeState, asked: int | None) -> int:
     return min(asked or state.options.max_new_tokens, state.max_context - 1)
 
 
-def _too_long(state: ServeState, n: int) -> ContextFull:
-    return ContextFull(f"the prompt has {n} tokens; this model's context holds {state.max_context} "
-                       "(the answer needs at least one more)")
+def _too_long(state: ServeState, n: int, *, param: str) -> APIError:
+    return APIError(400, f"the prompt has {n} tokens; this model's context holds {state.max_context} "
+                    "(the answer needs at least one more)", param=param, code="context_length_exceeded")
 
 
 def check_choices(state: ServeState, n: int) -> None:
@@ -142,6 +173,7 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
         raise bad_value("messages", "messages must not be empty")
     check_messages(req.messages)
     check_choices(state, req.n)
+    check_text_fits(state, sum(len(m.text()) for m in req.messages), param="messages")
     fmt = state.model.format
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice or ("auto" if tools else "none")
@@ -156,7 +188,7 @@ def prepare_chat(state: ServeState, req: ChatRequest) -> Prepared:
     limit = _limit(state, req.limit())
     if len(ids) >= state.max_context:
         if state.options.overflow is not Overflow.SLIDE:
-            raise _too_long(state, len(ids))
+            raise _too_long(state, len(ids), param="messages")
         room = max_prompt_tokens(max_context=state.max_context, max_new_tokens=limit)
         ids, _ = fmt.fitted_prompt_ids(messages, max_tokens=room, **kwargs)
     constraint, names = None, None
@@ -196,6 +228,7 @@ def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
             raise bad_value("prompt", "one prompt per request")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_text_fits(state, len(prompt), param="prompt")
         text, ids = prompt, state.model.tokenizer.encode(prompt, add_special_tokens=True)
     else:
         vocab = state.model.manifest.model.vocab_size
@@ -207,7 +240,7 @@ def prepare_completion(state: ServeState, req: CompletionRequest) -> Prepared:
     limit = _limit(state, req.limit())
     if len(ids) >= state.max_context:
         if state.options.overflow is not Overflow.SLIDE:
-            raise _too_long(state, len(ids))
+            raise _too_long(state, len(ids), param="prompt")
         ids = ids[len(ids) - max_prompt_tokens(max_context=state.max_context, max_new_tokens=limit):]  # keep the end
     return Prepared(prompt_ids=ids, params=_params(state, req, max_new=min(limit, state.max_context - len(ids)),
                                                    num_prompt_tokens=len(ids)),

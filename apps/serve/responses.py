@@ -14,25 +14,44 @@ from pydantic import BaseModel, ConfigDict, Field
 from staticlm.runtime.generate.sequence_request import Delta
 from staticlm.runtime.generate.text_stream import FinishReason
 
-from .errors import APIError, api_error, bad_value
+from .body import validated
+from .errors import APIError, bad_value, renamed
 from .jobs import Job
 from .schemas import ChatRequest
 
+# A chat request's fields as the Responses API names them (errors about the translated request name these)
+CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
+
+
+class FunctionTool(_Open):
+    type: Literal["function"]  # the other tool types (web_search, file_search...) are not served here
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class TextFormat(_Open):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
-class TextOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextOptions(_Open):
     format: TextFormat | None = None
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -40,8 +59,8 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     previous_response_id: str | None = None
     store: bool = True
     text: TextOptions | None = None
@@ -80,12 +99,15 @@ def input_messages(req: ResponsesRequest, history: list[dict[str, Any]]) -> list
         elif kind == "function_call":
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
-            if not call["id"] or not call["function"]["name"]:
-                raise bad_value(where, f"{where}: a function_call needs call_id and name")
+            for field, value in (("call_id", call["id"]), ("name", call["function"]["name"]),
+                                 ("arguments", call["function"]["arguments"])):
+                if not isinstance(value, str) or not value:
+                    raise bad_value(f"{where}.{field}", f"{where}.{field}: a function_call needs a string "
+                                    f"{field}{' (its JSON)' if field == 'arguments' else ''}")
             calls.add(call["id"])
             out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            if item.get("call_id") not in calls:
+            if not isinstance(item.get("call_id"), str) or item["call_id"] not in calls:
                 raise bad_value(f"{where}.call_id", f"{where} answers call_id {item.get('call_id')!r}, which no "
                                 "function_call of this conversation made")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(item.get("output"),
@@ -108,16 +130,11 @@ def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -
     if (req.reasoning or {}).get("effort") in ("none", "minimal"):
         body["chat_template_kwargs"] = {**(req.chat_template_kwargs or {}), "enable_thinking": False}
     if req.tools:
-        tools = []
-        for k, t in enumerate(req.tools):
-            if t.get("type") != "function" or not t.get("name"):
-                raise bad_value(f"tools[{k}]", f"tools[{k}]: only function tools (with a name) are served here")
-            tools.append({"type": "function", "function": {k2: t[k2] for k2 in ("name", "description", "parameters")
-                                                           if t.get(k2) is not None}})
-        body["tools"] = tools
+        body["tools"] = [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters"},
+                                                                       exclude_none=True)} for t in req.tools]
     choice = req.tool_choice
-    if isinstance(choice, dict):
-        body["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, NamedToolChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     elif choice is not None:
         body["tool_choice"] = choice
     fmt = req.text.format if req.text else None
@@ -125,7 +142,12 @@ def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -
         body["response_format"] = ({"type": "json_object"} if fmt.type == "json_object" else
                                    {"type": "json_schema", "json_schema": {"name": fmt.name or "response",
                                                                            "schema": fmt.schema_ or {}}})
-    return ChatRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    return validated(ChatRequest, {k: v for k, v in body.items() if v is not None})
+
+
+def _tool_names(names: dict[str, str], tools: int) -> dict[str, str]:
+    """chat's tools[k].function.name is the Responses API's tools[k].name."""
+    return {**{f"tools[{k}].function": f"tools[{k}]" for k in range(tools)}, **names}
 
 
 def prepare_response(state, req: ResponsesRequest):
@@ -141,12 +163,16 @@ def prepare_response(state, req: ResponsesRequest):
                            code="previous_response_not_found")
         history = found
     conversation = history + input_messages(req, history)
-    return prepare_chat(state, to_chat_request(req, conversation)), conversation
+    try:
+        return prepare_chat(state, to_chat_request(req, conversation)), conversation
+    except APIError as e:
+        raise renamed(e, _tool_names(CHAT_TO_RESPONSES, len(req.tools or ()))) from None
 
 
 # -- answers ---------------------------------------------------------------------------------------------------
-def _items(job: Job, text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The output items of an answer, and the chat message it adds to the conversation."""
+def _items(job: Job, text: str, *, status: str = "completed") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The output items of an answer (its message's status: "incomplete" when it was cut at the token limit),
+    and the chat message it adds to the conversation."""
     thoughts, answer = job.split(text)
     content, calls = job.tool_calls(answer)
     items: list[dict[str, Any]] = []
@@ -154,7 +180,7 @@ def _items(job: Job, text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [],
                       "content": [{"type": "reasoning_text", "text": thoughts}]})
     if content:
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed",
+        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": status,
                       "role": "assistant", "content": [{"type": "output_text", "text": content, "annotations": []}]})
     for c in calls:
         items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": c["id"],
@@ -171,14 +197,19 @@ def _response(job: Job, req: ResponsesRequest, *, status: str, output: list, rea
     return {"id": job.id, "object": "response", "created_at": job.created, "model": job.state.model_id,
             "status": "incomplete" if incomplete else status, "incomplete_details": incomplete, "error": None,
             "instructions": req.instructions, "previous_response_id": req.previous_response_id,
-            "output": output, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "output": output, "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "tool_choice": _dumped(req.tool_choice) or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
             "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "metadata": {}, "store": req.store,
             "usage": usage if status != "in_progress" else None}
 
 
+def _dumped(value):
+    return value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+
+
 def _finish(job: Job, req: ResponsesRequest, conversation: list, f) -> dict[str, Any]:
-    items, message = _items(job, f.text)
+    items, message = _items(job, f.text, status="incomplete" if f.reason is FinishReason.LENGTH else "completed")
     if req.store:
         job.state.responses.put(job.id, conversation + [message])
     return _response(job, req, status="completed", output=items, reason=f.reason, num_output=len(f.token_ids))
@@ -251,7 +282,7 @@ async def response_stream(job: Job, req: ResponsesRequest, conversation: list,
             yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
                         response=final)
     except Exception as e:  # noqa: BLE001 -- headers are sent: the error goes into the stream
-        err = api_error(e)
+        err = job.failed(e)
         yield event("error", code=err.code, message=err.message, param=err.param)
 
 

@@ -4,18 +4,32 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 4  # OpenAI's; the Messages API's own cap is MAX_STOP_SEQUENCES (messages.py)
+# Each choice checks every stop string at every token on the engine's thread (runtime/text/stopping.py: its held
+# suffix is as long as the longest stop string), so their number and length are bounded: no API says how long a
+# stop string may be, and none needs one this long.
+MAX_STOP_CHARS = 256
 MAX_CHOICES = 64  # the scheduler refuses more than the batch rows, with the real number
+# seed: any 64-bit value; -1 means "a random seed" as in llama-server (and as leaving it out does)
+RANDOM_SEED = -1
+MAX_SEED = 2**64 - 1
+MAX_TOP_K = 2**31 - 1  # past any vocabulary: top_k that large keeps every token
+
+
+def check_stop_lengths(stops: list[str]) -> None:
+    for stop in stops:
+        if len(stop) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(stop)}")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
 
 
 class ContentPart(_Open):
@@ -94,14 +108,14 @@ class SamplingFields(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, lt=1)
     repetition_penalty: float | None = Field(None, gt=0)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=RANDOM_SEED, le=MAX_SEED)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -110,10 +124,16 @@ class SamplingFields(_Body):
 
     @field_validator("stop")
     @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+    def _stops(cls, v: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
+        limit = (info.context or {}).get("max_stop_strings", MAX_STOP_STRINGS)  # None: checked by the Messages API
+        if isinstance(v, list) and limit is not None and len(v) > limit:
+            raise ValueError(f"at most {limit} stop strings")
+        check_stop_lengths([v] if isinstance(v, str) else v or [])
         return v
+
+    def seed_or_none(self) -> int | None:
+        """The request's seed; None for no seed or -1 (a random one)."""
+        return None if self.seed == RANDOM_SEED else self.seed
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

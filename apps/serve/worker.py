@@ -56,15 +56,28 @@ class EngineWorker:
         while not self._stopping:
             try:
                 worked = self.batcher.step()
-                if busy and not worked and self._on_idle is not None:
-                    self._on_idle()
-            except Exception:  # noqa: BLE001 -- a bug in one step must not stop the server; it is logged
+            except Exception as e:  # noqa: BLE001 -- a bug in one step must not stop the server; it is logged
                 traceback.print_exc(file=sys.stderr)
+                self._recover(e)
                 worked = False
+            else:
+                if busy and not worked and self._on_idle is not None:
+                    try:
+                        self._on_idle()
+                    except Exception:  # noqa: BLE001 -- nothing was running: logged, the cache kept
+                        traceback.print_exc(file=sys.stderr)
             busy = worked
             if not worked:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
+
+
+    def _recover(self, error: BaseException) -> None:
+        """The requests the failed step was running fail (their clients get the error), their rows are freed."""
+        try:
+            self.batcher.fail_in_flight(error)
+        except Exception:  # noqa: BLE001 -- logged; the next step tries again
+            traceback.print_exc(file=sys.stderr)
 
 
 class EventQueue:

@@ -104,7 +104,12 @@ class GenerationLoop:
 
     def _start_decoding(self, adm: Admission) -> None:
         """The prefilled request's choices take their rows and choose their first tokens from the lane's logits."""
-        rows, seqs = self.admissions.place(adm)
+        try:
+            rows, seqs = self.admissions.place(adm)
+        except Exception as e:  # noqa: BLE001 -- e.g. a seed the rng refuses: fail its request only
+            self._fail(adm.request, e)
+            self._settle_reservations()
+            return
         logits, now = self.lane.next_logits, time.perf_counter()  # [V]
         for r, seq in zip(rows, seqs, strict=True):
             try:
@@ -222,6 +227,28 @@ class GenerationLoop:
             self.cache.forget(r)
         request.on_event(Failed(error))
         return len(rows)
+
+    def _settle_reservations(self) -> None:
+        """Rows reserved for no admission waiting for the lane (one whose placing failed) are free again."""
+        s = self.scheduler
+        num_reserved = len(s.free_rows()) - s.num_free
+        s.unreserve(num_reserved - sum(a.num_rows for a in self.admissions.pending))
+
+    def fail_in_flight(self, error: BaseException) -> None:
+        """A step raised where no request's own error path caught it: every request that holds rows or is being
+        prefilled fails with that error, and the lane and rows start over (what their KV holds is unknown);
+        waiting requests stay queued. The caller (a server's engine thread) goes on stepping."""
+        failed = {id(a.request): a.request for a in self.admissions.pending}
+        failed.update({id(s.request): s.request for r in self.scheduler.busy_rows()
+                       if (s := self.scheduler.occupant(r)) is not None})
+        self.admissions.pending.clear()
+        for request in failed.values():
+            self._fail(request, error)
+        self._settle_reservations()
+        self.rows.reset()
+        self.lane.reset()
+        for r in range(self.num_rows):
+            self.cache.forget(r)
 
     def _reap_cancelled(self) -> None:
         """Rows of requests whose client went away are free before the next step runs."""

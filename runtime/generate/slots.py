@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import struct
 import sys
 import time
@@ -187,7 +188,12 @@ class SlotStore:
         return found[-self.max_entries:] if self.max_entries > 0 else []
 
     def _read(self, path: Path) -> tuple[list[int], np.ndarray]:
-        data = path.read_bytes()
+        # not blocking on open, and only a regular file read: a FIFO would block the server's start for good
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise _Unusable("not a regular file")
+            data = f.read()
         if data[:len(MAGIC)] != MAGIC:
             raise _Unusable("not a staticlm prompt-cache file")
         if (len(data) < len(MAGIC) + 2 * _U32.size
