@@ -208,6 +208,11 @@ class ExportRequest:
         return QuantOptions(quant=quant, kv_bits=KVBits(self.kv_bits or 16), gptq=self.gptq_options(),
                             **({"calib_steps": self.calib_steps} if self.calib_steps is not None else {}))
 
+    def part_sizing(self) -> PartSizing:
+        """What an HTP family's parts must fit: the SoC's context and the compile memory."""
+        return PartSizing(max_context_bytes=max_context_weight_bytes(self.soc_model, override=self.max_context_bytes),
+                          compile_memory=self.compile_memory or default_budget())
+
     def parts_plan(self) -> tuple[int | None, PartSizing | None]:
         """(a number of layer-group parts, or None; what the export sizes the parts for when it chooses them, or
         None). --target htp chooses them (--parts auto) unless given a number."""
@@ -215,9 +220,7 @@ class ExportRequest:
         if auto:
             if self.target != "htp":
                 raise InvalidOption("--parts auto fits HTP contexts: use it with --target htp (or give --parts N)")
-            return None, PartSizing(max_context_bytes=max_context_weight_bytes(self.soc_model,
-                                                                               override=self.max_context_bytes),
-                                    compile_memory=self.compile_memory or default_budget())
+            return None, self.part_sizing()
         if self.soc_model is not None or self.max_context_bytes is not None or self.compile_memory is not None:
             raise InvalidOption("--soc-model, --max-context-bytes and --compile-memory size the parts --target htp "
                                 "chooses: leave out --parts N")

@@ -21,7 +21,7 @@ from .family import export_family, num_steps, staged_output
 from .htp.family import export_quantized_family, num_quant_steps
 from .htp.plan_report import plan_report
 from .options import ExportRequest
-from .parts import add_parts, layer_groups, sized_groups
+from .parts import PartTooLarge, add_parts, layer_groups, sized_groups
 from .sources import LoadedModel, load_model
 
 Report = Callable[..., None]  # report(what, advance=1, total=None)
@@ -80,10 +80,18 @@ def export_model(request: ExportRequest, *, report: Report | None = None,
     with staged_output(out) as family:
         manifest = writer.write(loaded, family, lambda name: report(f"wrote {name}"))
         if num_parts is not None:
-            return add_parts(family, num_parts)
-        groups = sized_groups(family, sizing)
-        if len(groups) > 1:  # one group: the whole graphs already fit one context
-            manifest = add_parts(family, groups=groups)
-    for line in plan_report(out, sizing=sizing, plan=request.graph_plan(loaded.config.max_positions)):
+            manifest = add_parts(family, num_parts)
+        else:
+            groups = sized_groups(family, sizing)
+            if len(groups) > 1:  # one group: the whole graphs already fit one context
+                manifest = add_parts(family, groups=groups)
+        if request.target == "htp":  # a context over the SoC's limit is refused before the family is kept
+            lines = plan_report(family, sizing=sizing or request.part_sizing(),
+                                plan=request.graph_plan(loaded.config.max_positions))
+            over = [line for line in lines if "(OVER)" in line]
+            if over:
+                raise PartTooLarge(f"{over[0].split(',')[0]} holds more weights than one context: export with "
+                                   f"--parts auto, or more --parts")
+    for line in lines if request.target == "htp" else ():
         note(line)
     return manifest
