@@ -56,19 +56,6 @@ AVX2 static INLINE __m256i broadcast16(int low_lane_index, int high_lane_index) 
   return _mm256_set_m128i(hi, lo);
 }
 
-/* call(n) with n a constant: 1..8 (a count outside them: 1), so that a loop over n unrolls and keeps registers */
-#define BY_COUNT(count, call) \
-  switch (count) {            \
-    case 8: call(8); break;   \
-    case 7: call(7); break;   \
-    case 6: call(6); break;   \
-    case 5: call(5); break;   \
-    case 4: call(4); break;   \
-    case 3: call(3); break;   \
-    case 2: call(2); break;   \
-    default: call(1); break;  \
-  }
-
 /* one function per type and tile height (a DotFn or GroupDotFn), so each loop over rows has a constant count */
 #define TILED(name, call)                                                                                    \
   AVX2 static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) { \

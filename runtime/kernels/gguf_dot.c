@@ -195,27 +195,30 @@ PORTABLE_GROUP(group_q5_0, GGML_Q5_0)
 PORTABLE_GROUP(group_q4_1, GGML_Q4_1)
 PORTABLE_GROUP(group_q5_1, GGML_Q5_1)
 
-/* 32 bytes of row j placed as a group block's chunks are (gguf_dot.h), copied back in order */
-static void chunk_row(const uint8_t* chunk, int j, uint8_t* out) {
+/* row j's 32 bytes of 4 eighths placed as a group block's are (gguf_dot.h), copied back in order */
+static void eighths_row(const EighthOf8Rows eighths[4], int j, uint8_t* out) {
   const int h = (j >> 1) & 1, i = (j & 1) | (j >> 2) << 1;
-  for (int e = 0; e < 4; e++) memcpy(out + 8 * e, chunk + 64 * e + 32 * h + 8 * i, 8);
+  for (int e = 0; e < 4; e++) memcpy(out + 8 * e, eighths[e][h][i], 8);
 }
 
 void k4_group_block(const uint8_t* g, int j, uint8_t block[144]) {
-  memcpy(block, g + 2 * j, 2);
-  memcpy(block + 2, g + 16 + 2 * j, 2);
-  for (int u = 0; u < 3; u++) memcpy(block + 4 + 4 * u, g + 32 + 4 * (8 * u + j), 4);
-  for (int c = 0; c < 4; c++) chunk_row(g + 128 + 256 * c, j, block + 16 + 32 * c);
+  const block_q4_Kx8* group = (const block_q4_Kx8*)g;
+  block_q4_K* row = (block_q4_K*)block;
+  memcpy(row->d, group->d[j], 2);
+  memcpy(row->dmin, group->dmin[j], 2);
+  for (int u = 0; u < 3; u++) memcpy(row->scales + 4 * u, group->scale_words[u][j], 4);
+  for (int c = 0; c < 4; c++) eighths_row(group->qs[c], j, row->qs + 32 * c);
 }
 
 void q6_group_block(const uint8_t* g, int j, uint8_t block[210]) {
-  memcpy(block + 208, g + 2 * j, 2);
-  for (int s = 0; s < 16; s++) block[192 + s] = g[16 + 8 * s + j];
+  const block_q6_Kx8* group = (const block_q6_Kx8*)g;
+  block_q6_K* row = (block_q6_K*)block;
+  memcpy(row->d, group->d[j], 2);
+  for (int s = 0; s < 16; s++) row->scales[s] = group->scales[s][j];
   for (int t = 0; t < 2; t++) {
-    const uint8_t* half = g + 144 + 768 * t;
-    chunk_row(half, j, block + 64 * t);
-    chunk_row(half + 256, j, block + 64 * t + 32);
-    chunk_row(half + 512, j, block + 128 + 32 * t);
+    eighths_row(group->levels[t][0], j, row->ql + 64 * t);
+    eighths_row(group->levels[t][1], j, row->ql + 64 * t + 32);
+    eighths_row(group->levels[t][2], j, row->qh + 32 * t);
   }
 }
 
