@@ -121,3 +121,29 @@ static inline void k_scale_min(int j, const uint8_t* s, uint8_t* scale, uint8_t*
     *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
+
+/* Q4_K / Q5_K's 12 scale bytes -> 8 scales (bytes 0..7) and 8 minima (bytes 8..15), in 32-bit words */
+static inline void k4_scales(const uint8_t* packed, uint32_t out[4]) {
+  uint32_t u[3];
+  memcpy(u, packed, 12);
+  out[0] = u[0] & 0x3f3f3f3f;                                           /* scales 0..3: low 6 bits */
+  out[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);     /* scales 4..7 */
+  out[2] = u[1] & 0x3f3f3f3f;                                           /* minima 0..3 */
+  out[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4); /* minima 4..7 */
+}
+
+/* The 32-input types: a block's 32 levels, unsigned, and what stands for zero: w = d (q - mid) for Q4_0, Q5_0 and
+ * Q8_0 (mid 8, 16, 0; Q8_0's levels are signed bytes), w = d q + m for Q4_1 and Q5_1 (their minimum m). */
+typedef struct {
+  int bytes, head, five, minimum, mid; /* head: bytes before the nibbles (d, [m], [qh]) */
+} Block32;
+
+static inline Block32 block32(int type) {
+  switch (type) {
+    case GGML_Q4_0: return (Block32){18, 2, 0, 0, 8};
+    case GGML_Q5_0: return (Block32){22, 6, 1, 0, 16};
+    case GGML_Q4_1: return (Block32){20, 4, 0, 1, 0};
+    case GGML_Q5_1: return (Block32){24, 8, 1, 1, 0};
+    default: return (Block32){34, 2, 0, 0, 0}; /* Q8_0 */
+  }
+}
