@@ -47,12 +47,24 @@ LEVEL_ATTR static NEON_INLINE void NAME(group_dot_32)(const uint8_t* w, const Ac
   float32x4_t total[TILE][2];
   for (int r = 0; r < rows; r++) total[r][0] = total[r][1] = vdupq_n_f32(0.0f);
   for (int b = 0; b < k / QK_0; b++, w += GROUP * f.bytes) {
-    int8x16_t L[4][4];
-    group_levels32(w, type, L);
     float32x4_t d[2], m[2];
     group_scales32(w, f, d, m);
     int32x4_t P[TILE][2];
-    NAME(pair_dots)(L, 4, a, rows, b * QK_0, P);
+    if (rows == 1) { /* a decode step: each row's 32 levels against the 32 inputs, the rows' sums in their order */
+      const int8x16_t x0 = vld1q_s8(a[0].q + b * QK_0), x1 = vld1q_s8(a[0].q + b * QK_0 + 16);
+      int32x4_t acc[GROUP];
+      for (int j = 0; j < GROUP; j++) {
+        int8x16_t lo, hi;
+        levels32_neon(w + j * f.bytes, type, &lo, &hi);
+        acc[j] = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, x0), hi, x1);
+      }
+      P[0][0] = sums4(acc[0], acc[1], acc[4], acc[5]); /* the pairs' order, as pair_dots gives them */
+      P[0][1] = sums4(acc[2], acc[3], acc[6], acc[7]);
+    } else {
+      int8x16_t L[4][4];
+      group_levels32(w, type, L);
+      NAME(pair_dots)(L, 4, a, rows, b * QK_0, P);
+    }
     for (int r = 0; r < rows; r++) {
       int32x4_t sums[2];
       swap_pairs(P[r][0], P[r][1], sums);

@@ -41,11 +41,13 @@ static NEON_INLINE int32x4_t sums4(int32x4_t a, int32x4_t b, int32x4_t c, int32x
   return vpaddq_s32(vpaddq_s32(a, b), vpaddq_s32(c, d));
 }
 
-/* byte i is 0xFF where bit i of the low 16 bits is set */
-static NEON_INLINE uint8x16_t bit_bytes16(uint32_t bits) {
-  static const uint8_t weights[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-  const uint8x16_t spread = vcombine_u8(vdup_n_u8((uint8_t)bits), vdup_n_u8((uint8_t)(bits >> 8)));
-  return vtstq_u8(spread, vld1q_u8(weights));
+/* [inputs 0..15, 16..31]: byte i is 0xFF where bit i of qh is set (a 5-bit level's fifth bit) */
+static NEON_INLINE void fifth_bits(uint32_t qh, uint8x16_t out[2]) {
+  static const uint8_t spread[2][16] = {{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
+                                        {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3}};
+  static const uint8_t bits[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const uint8x16_t bytes = vreinterpretq_u8_u32(vdupq_n_u32(qh));
+  for (int h = 0; h < 2; h++) out[h] = vtstq_u8(vqtbl1q_u8(bytes, vld1q_u8(spread[h])), vld1q_u8(bits));
 }
 
 /* A 32-input block's levels minus its type's mid (w = d (q - mid)): inputs 0..15 in lo, 16..31 in hi */
@@ -62,8 +64,15 @@ static NEON_INLINE void levels32_neon(const uint8_t* block, int type, int8x16_t*
   if (f.five) {
     uint32_t qh;
     memcpy(&qh, block + f.head - 4, 4);
-    l = vorrq_u8(l, vandq_u8(bit_bytes16(qh), vdupq_n_u8(16)));
-    h = vorrq_u8(h, vandq_u8(bit_bytes16(qh >> 16), vdupq_n_u8(16)));
+    uint8x16_t set[2];
+    fifth_bits(qh, set);
+    if (f.mid) { /* Q5_0: q - 16 is the low bits, minus 16 where the fifth bit is clear (0xF0 is -16) */
+      *lo = vreinterpretq_s8_u8(vaddq_u8(l, vbicq_u8(vdupq_n_u8(0xF0), set[0])));
+      *hi = vreinterpretq_s8_u8(vaddq_u8(h, vbicq_u8(vdupq_n_u8(0xF0), set[1])));
+      return;
+    }
+    l = vorrq_u8(l, vandq_u8(set[0], vdupq_n_u8(16)));
+    h = vorrq_u8(h, vandq_u8(set[1], vdupq_n_u8(16)));
   }
   *lo = vsubq_s8(vreinterpretq_s8_u8(l), vdupq_n_s8((int8_t)f.mid));
   *hi = vsubq_s8(vreinterpretq_s8_u8(h), vdupq_n_s8((int8_t)f.mid));

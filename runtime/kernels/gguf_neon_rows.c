@@ -37,13 +37,13 @@ NEON_DOTPROD static NEON_INLINE void rows_32(const uint8_t* w, const ActRow* a, 
   for (int b0 = 0; b0 < num_blocks; b0 += 4, w += 4 * f.bytes) {
     const int count = num_blocks - b0 < 4 ? num_blocks - b0 : 4;
     int8x16_t lo[4], hi[4];
-    float dw[4] = {0.0f, 0.0f, 0.0f, 0.0f}, mw[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint8_t dh[4][2] = {{0}}, mh[4][2] = {{0}}; /* the blocks' d and m (float16) */
     for (int i = 0; i < count; i++) {
       levels32_neon(w + i * f.bytes, type, &lo[i], &hi[i]);
-      dw[i] = fp16_one(w + i * f.bytes);
-      if (f.minimum) mw[i] = fp16_one(w + i * f.bytes + 2);
+      memcpy(dh[i], w + i * f.bytes, 2);
+      if (f.minimum) memcpy(mh[i], w + i * f.bytes + 2, 2);
     }
-    const float32x4_t d = vld1q_f32(dw), m = vld1q_f32(mw);
+    const float32x4_t d = fp16x4(dh[0]), m = fp16x4(mh[0]);
     for (int r = 0; r < rows; r++) {
       const int8_t* x = a[r].q + b0 * QK_0;
       int32x4_t s[4];
@@ -52,9 +52,11 @@ NEON_DOTPROD static NEON_INLINE void rows_32(const uint8_t* w, const ActRow* a, 
        * no total (a zero's sign never reaches it) */
       float32x4_t t = vmulq_f32(d, vcvtq_f32_s32(sums4(s[0], s[1], s[2], s[3])));
       if (f.minimum) t = vaddq_f32(t, vmulq_f32(m, vcvtq_f32_s32(pair_sums(a[r].sums + 2 * b0, count))));
-      float terms[4];
-      vst1q_f32(terms, vmulq_f32(load_f32(a[r].d + b0, count), t));
-      for (int i = 0; i < count; i++) total[r] += terms[i];
+      t = vmulq_f32(load_f32(a[r].d + b0, count), t);
+      total[r] += vgetq_lane_f32(t, 0);
+      if (count > 1) total[r] += vgetq_lane_f32(t, 1);
+      if (count > 2) total[r] += vgetq_lane_f32(t, 2);
+      if (count > 3) total[r] += vgetq_lane_f32(t, 3);
     }
   }
   for (int r = 0; r < rows; r++) out[r * stride] = total[r];
