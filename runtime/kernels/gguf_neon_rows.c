@@ -26,38 +26,47 @@ static NEON_INLINE int32x4_t pair_sums(const int16_t* p, int n) {
   return vmovl_s16(vget_low_s16(vpaddq_s16(s, s)));
 }
 
-/* Q4_0, Q5_0, Q8_0, Q4_1, Q5_1: 4 blocks at a time, their 4 sums as one vector and their float terms as one, which
- * are then added into the row's total one block after another, as the portable dot adds them. */
+/* Q4_0, Q5_0, Q8_0, Q4_1, Q5_1: `count` (1..4, a constant) blocks from w at a time, their sums as one vector and
+ * their float terms as one, which are then added into each row's total one block after another, as the portable
+ * dot adds them. */
+NEON_DOTPROD static NEON_INLINE void blocks_32(const uint8_t* w, const ActRow* a, const int rows, int b0,
+                                               float total[TILE], const int type, const int count) {
+  const Block32 f = block32(type);
+  int8x16_t lo[4], hi[4];
+  uint8_t dh[4][2] = {{0}}, mh[4][2] = {{0}}; /* the blocks' d and m (float16) */
+  for (int i = 0; i < count; i++) {
+    levels32_neon(w + i * f.bytes, type, &lo[i], &hi[i]);
+    memcpy(dh[i], w + i * f.bytes, 2);
+    if (f.minimum) memcpy(mh[i], w + i * f.bytes + 2, 2);
+  }
+  const float32x4_t d = fp16x4(dh[0]), m = fp16x4(mh[0]);
+  for (int r = 0; r < rows; r++) {
+    const int8_t* x = a[r].q + b0 * QK_0;
+    int32x4_t s[4];
+    for (int i = 0; i < 4; i++) s[i] = i < count ? dot32(lo[i], hi[i], x + 32 * i) : vdupq_n_s32(0);
+    /* per block: a.d (d sum [+ m level_sum]); the portable dot's "+ 0" for the types without a minimum changes no
+     * total (a zero's sign never reaches it) */
+    float32x4_t t = vmulq_f32(d, vcvtq_f32_s32(sums4(s[0], s[1], s[2], s[3])));
+    if (f.minimum) t = vaddq_f32(t, vmulq_f32(m, vcvtq_f32_s32(pair_sums(a[r].sums + 2 * b0, count))));
+    t = vmulq_f32(load_f32(a[r].d + b0, count), t);
+    total[r] += vgetq_lane_f32(t, 0);
+    if (count > 1) total[r] += vgetq_lane_f32(t, 1);
+    if (count > 2) total[r] += vgetq_lane_f32(t, 2);
+    if (count > 3) total[r] += vgetq_lane_f32(t, 3);
+  }
+}
+
 NEON_DOTPROD static NEON_INLINE void rows_32(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                              int64_t stride, const int type) {
-  const Block32 f = block32(type);
-  const int num_blocks = k / QK_0;
+  const int bytes = block32(type).bytes, num_blocks = k / QK_0;
   float total[TILE];
   for (int r = 0; r < rows; r++) total[r] = 0.0f;
-  for (int b0 = 0; b0 < num_blocks; b0 += 4, w += 4 * f.bytes) {
-    const int count = num_blocks - b0 < 4 ? num_blocks - b0 : 4;
-    int8x16_t lo[4], hi[4];
-    uint8_t dh[4][2] = {{0}}, mh[4][2] = {{0}}; /* the blocks' d and m (float16) */
-    for (int i = 0; i < count; i++) {
-      levels32_neon(w + i * f.bytes, type, &lo[i], &hi[i]);
-      memcpy(dh[i], w + i * f.bytes, 2);
-      if (f.minimum) memcpy(mh[i], w + i * f.bytes + 2, 2);
-    }
-    const float32x4_t d = fp16x4(dh[0]), m = fp16x4(mh[0]);
-    for (int r = 0; r < rows; r++) {
-      const int8_t* x = a[r].q + b0 * QK_0;
-      int32x4_t s[4];
-      for (int i = 0; i < 4; i++) s[i] = i < count ? dot32(lo[i], hi[i], x + 32 * i) : vdupq_n_s32(0);
-      /* per block: a.d (d sum [+ m level_sum]); the portable dot's "+ 0" for the types without a minimum changes
-       * no total (a zero's sign never reaches it) */
-      float32x4_t t = vmulq_f32(d, vcvtq_f32_s32(sums4(s[0], s[1], s[2], s[3])));
-      if (f.minimum) t = vaddq_f32(t, vmulq_f32(m, vcvtq_f32_s32(pair_sums(a[r].sums + 2 * b0, count))));
-      t = vmulq_f32(load_f32(a[r].d + b0, count), t);
-      total[r] += vgetq_lane_f32(t, 0);
-      if (count > 1) total[r] += vgetq_lane_f32(t, 1);
-      if (count > 2) total[r] += vgetq_lane_f32(t, 2);
-      if (count > 3) total[r] += vgetq_lane_f32(t, 3);
-    }
+  int b0 = 0;
+  for (; b0 + 4 <= num_blocks; b0 += 4) blocks_32(w + b0 * bytes, a, rows, b0, total, type, 4);
+  switch (num_blocks - b0) { /* the row's last blocks */
+    case 3: blocks_32(w + b0 * bytes, a, rows, b0, total, type, 3); break;
+    case 2: blocks_32(w + b0 * bytes, a, rows, b0, total, type, 2); break;
+    case 1: blocks_32(w + b0 * bytes, a, rows, b0, total, type, 1); break;
   }
   for (int r = 0; r < rows; r++) out[r * stride] = total[r];
 }
