@@ -1,10 +1,12 @@
 /* Which ARM64 dots this CPU runs, asked of the operating system once: Linux's hardware capability bits, macOS's
- * sysctl, Windows' processor features. An unknown system takes the portable dots. */
+ * sysctl, Windows' processor features. An unknown system takes the portable dots. And the int8 rate probe (the
+ * bench's ceiling, as gguf_avx2.c's on x86-64). */
 #if defined(__aarch64__) || defined(_M_ARM64)
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
-#include "gguf_neon.h"
+#include "gguf_neon_parts.h"
 
 #if defined(__linux__)
 #include <sys/auxv.h>
@@ -58,6 +60,43 @@ int arm_dot_level(void) {
   }
   return cached;
 }
+
+#if !defined(_WIN32)
+NEON_DOTPROD static double int8_mac_rate_dotprod(double seconds) {
+  enum { K = 4096, ROWS = 4 };
+  static _Thread_local int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
+  for (int i = 0; i < ROWS * K; i++) x[i] = (int8_t)(i * 37);
+  const int8x16_t levels = vdupq_n_s8(11);
+  int32x4_t acc[ROWS];
+  for (int r = 0; r < ROWS; r++) acc[r] = vdupq_n_s32(0);
+  struct timespec start, now;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+  double elapsed = 0.0, passes = 0.0;
+  while (elapsed < seconds) {
+    for (int pass = 0; pass < 64; pass++) {
+      for (int i = 0; i < K; i += 16) {
+        for (int r = 0; r < ROWS; r++) acc[r] = vdotq_s32(acc[r], levels, vld1q_s8(x + r * K + i));
+      }
+      __asm__ volatile("" ::: "memory"); /* each pass reads x again */
+    }
+    passes += 64;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+    elapsed = (double)(now.tv_sec - start.tv_sec) + 1e-9 * (double)(now.tv_nsec - start.tv_nsec);
+  }
+  int32x4_t total = acc[0];
+  for (int r = 1; r < ROWS; r++) total = vaddq_s32(total, acc[r]);
+  volatile int sink = vgetq_lane_s32(total, 0); /* the sums are used: the loop is not removed */
+  (void)sink;
+  return passes * ROWS * K / elapsed;
+}
+
+/* The calling thread's int8 multiply-accumulate rate through sdot, the instruction the ARM64 dots are built on,
+ * the inputs read from L1: MACs per second of the thread's own CPU time over about `seconds` of it; 0 without the
+ * dot products. */
+__attribute__((visibility("default"))) double staticlm_int8_mac_rate(double seconds) {
+  return arm_dot_level() >= ARM_DOTPROD ? int8_mac_rate_dotprod(seconds) : 0.0;
+}
+#endif
 #else
 typedef int gguf_neon_is_arm64_only; /* an empty translation unit elsewhere */
 #endif
