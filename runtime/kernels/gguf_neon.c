@@ -52,7 +52,7 @@ int arm_dot_level(void) {
   if (cached < 0) {
     int level = cpu_level();
     const char* wanted = getenv("STATICLM_ARM_DOTS");
-    if (wanted != NULL) {
+    if (wanted != NULL && *wanted != '\0') {
       const int cap = !strcmp(wanted, "portable") ? ARM_PORTABLE : !strcmp(wanted, "dotprod") ? ARM_DOTPROD : ARM_I8MM;
       if (cap < level) level = cap;
     }

@@ -79,6 +79,25 @@ LEVEL_ATTR static NEON_INLINE void NAME(group_dot_32)(const uint8_t* w, const Ac
   for (int r = 0; r < rows; r++) vst1q_f32(out + r * stride, total[r][0]), vst1q_f32(out + r * stride + 4, total[r][1]);
 }
 
+/* Q4_K over a group block with one activation row (a decode step): each level vector multiplied as it is unpacked */
+LEVEL_ATTR static NEON_INLINE void NAME(q4_k_group_one)(const block_q4_Kx8* g, const int8_t* x_block,
+                                                        const uint32x4_t scales[2][2], int32x4_t isum[2]) {
+  const uint8x16_t m4 = vdupq_n_u8(BROKEN(GGML_Q4_K) ? 14 : 15);
+  for (int s = 0; s < 8; s++) {
+    const int8_t* x = x_block + 32 * s;
+    int32x4_t acc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    for (int e = 0; e < 4; e++) {
+      const int8x16_t both = vreinterpretq_s8_s64(vld1q_dup_s64((const int64_t*)(x + 8 * e)));
+      for (int p = 0; p < 4; p++) {
+        const uint8x16_t raw = vld1q_u8(g->qs[s / 2][e][p / 2][2 * (p % 2)]);
+        acc[p] = vdotq_s32(acc[p], vreinterpretq_s8_u8(s % 2 ? vshrq_n_u8(raw, 4) : vandq_u8(raw, m4)), both);
+      }
+    }
+    isum[0] = vmlaq_s32(isum[0], vpaddq_s32(acc[0], acc[1]), lane_byte(scales[s / 4][0], s % 4));
+    isum[1] = vmlaq_s32(isum[1], vpaddq_s32(acc[2], acc[3]), lane_byte(scales[s / 4][1], s % 4));
+  }
+}
+
 /* Q4_K over a group block (block_q4_Kx8): per sub-block, the rows' levels by a mask or a shift (the exporter placed
  * them), each tile row's 8 sums weighted by the rows' scales in integers; the minima dotted with the row's sub-block
  * sums in integers; then the portable dot's float expression, lane by lane. */
@@ -94,19 +113,7 @@ LEVEL_ATTR static NEON_INLINE void NAME(group_dot_q4_k)(const uint8_t* w, const 
     k4_group_scales(g, scales, minima);
     int32x4_t isum[TILE][2];
     for (int r = 0; r < rows; r++) isum[r][0] = isum[r][1] = vdupq_n_s32(0);
-    for (int s = 0; rows == 1 && s < 8; s++) { /* a decode step: each level vector multiplied as it is unpacked */
-      const int8_t* x = a[0].q + b * QK_K + 32 * s;
-      int32x4_t acc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
-      for (int e = 0; e < 4; e++) {
-        const int8x16_t both = vreinterpretq_s8_s64(vld1q_dup_s64((const int64_t*)(x + 8 * e)));
-        for (int p = 0; p < 4; p++) {
-          const uint8x16_t raw = vld1q_u8(g->qs[s / 2][e][p / 2][2 * (p % 2)]);
-          acc[p] = vdotq_s32(acc[p], vreinterpretq_s8_u8(s % 2 ? vshrq_n_u8(raw, 4) : vandq_u8(raw, m4)), both);
-        }
-      }
-      isum[0][0] = vmlaq_s32(isum[0][0], vpaddq_s32(acc[0], acc[1]), lane_byte(scales[s / 4][0], s % 4));
-      isum[0][1] = vmlaq_s32(isum[0][1], vpaddq_s32(acc[2], acc[3]), lane_byte(scales[s / 4][1], s % 4));
-    }
+    if (rows == 1) NAME(q4_k_group_one)(g, a[0].q + b * QK_K, scales, isum[0]);
     for (int s = 0; rows > 1 && s < 8; s++) {
       int8x16_t L[4][4];
       for (int e = 0; e < 4; e++) {
@@ -137,6 +144,34 @@ LEVEL_ATTR static NEON_INLINE void NAME(group_dot_q4_k)(const uint8_t* w, const 
   for (int r = 0; r < rows; r++) vst1q_f32(out + r * stride, total[r][0]), vst1q_f32(out + r * stride + 4, total[r][1]);
 }
 
+/* Q6_K over a group block with one activation row (a decode step): per half t and 16s 2 q + v, each level vector
+ * multiplied as it is unpacked, its 3 loads serving the 4 parts */
+LEVEL_ATTR static NEON_INLINE void NAME(q6_k_group_one)(const block_q6_Kx8* g, const int8_t* x_block,
+                                                        int32x4_t isum[2]) {
+  for (int tv = 0; tv < 4; tv++) {
+    const int t = tv / 2, v = tv % 2;
+    const int8_t* x = x_block + 128 * t;
+    int32x4_t acc[4][4]; /* [part q][pair] */
+    for (int q = 0; q < 4; q++) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = vdupq_n_s32(0);
+    for (int e = 2 * v; e < 2 * v + 2; e++) {
+      int8x16_t both[4];
+      for (int q = 0; q < 4; q++) both[q] = vreinterpretq_s8_s64(vld1q_dup_s64((const int64_t*)(x + 32 * q + 8 * e)));
+      for (int p = 0; p < 4; p++) {
+        const int h = p / 2, i = 2 * (p % 2);
+        const uint8x16_t ql0 = vld1q_u8(g->levels[t][0][e][h][i]), ql1 = vld1q_u8(g->levels[t][1][e][h][i]);
+        const uint8x16_t qh = vld1q_u8(g->levels[t][2][e][h][i]);
+        for (int q = 0; q < 4; q++) acc[q][p] = vdotq_s32(acc[q][p], q6_part(ql0, ql1, qh, q), both[q]);
+      }
+    }
+    for (int q = 0; q < 4; q++) {
+      int32x4_t scale[2];
+      q6_group_scale(g, 8 * t + 2 * q + v, scale);
+      isum[0] = vmlaq_s32(isum[0], vpaddq_s32(acc[q][0], acc[q][1]), scale[0]);
+      isum[1] = vmlaq_s32(isum[1], vpaddq_s32(acc[q][2], acc[q][3]), scale[1]);
+    }
+  }
+}
+
 /* Q6_K over a group block (block_q6_Kx8): per 32 inputs of a half, the rows' levels by masks and shifts, minus 32;
  * each 16's sums weighted by the rows' int8 scales in integers; then the portable dot's float expression. */
 LEVEL_ATTR static NEON_INLINE void NAME(group_dot_q6_k)(const uint8_t* w, const ActRow* a, const int rows, int k,
@@ -147,29 +182,7 @@ LEVEL_ATTR static NEON_INLINE void NAME(group_dot_q6_k)(const uint8_t* w, const 
     const block_q6_Kx8* g = (const block_q6_Kx8*)w;
     int32x4_t isum[TILE][2];
     for (int r = 0; r < rows; r++) isum[r][0] = isum[r][1] = vdupq_n_s32(0);
-    for (int tv = 0; rows == 1 && tv < 4; tv++) { /* a decode step: half t's 16s 2 q + v, each level vector multiplied
-                                                    as it is unpacked, its 3 loads serving the 4 parts */
-      const int t = tv / 2, v = tv % 2;
-      const int8_t* x = a[0].q + b * QK_K + 128 * t;
-      int32x4_t acc[4][4]; /* [part q][pair] */
-      for (int q = 0; q < 4; q++) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = vdupq_n_s32(0);
-      for (int e = 2 * v; e < 2 * v + 2; e++) {
-        int8x16_t both[4];
-        for (int q = 0; q < 4; q++) both[q] = vreinterpretq_s8_s64(vld1q_dup_s64((const int64_t*)(x + 32 * q + 8 * e)));
-        for (int p = 0; p < 4; p++) {
-          const int h = p / 2, i = 2 * (p % 2);
-          const uint8x16_t ql0 = vld1q_u8(g->levels[t][0][e][h][i]), ql1 = vld1q_u8(g->levels[t][1][e][h][i]);
-          const uint8x16_t qh = vld1q_u8(g->levels[t][2][e][h][i]);
-          for (int q = 0; q < 4; q++) acc[q][p] = vdotq_s32(acc[q][p], q6_part(ql0, ql1, qh, q), both[q]);
-        }
-      }
-      for (int q = 0; q < 4; q++) {
-        int32x4_t scale[2];
-        q6_group_scale(g, 8 * t + 2 * q + v, scale);
-        isum[0][0] = vmlaq_s32(isum[0][0], vpaddq_s32(acc[q][0], acc[q][1]), scale[0]);
-        isum[0][1] = vmlaq_s32(isum[0][1], vpaddq_s32(acc[q][2], acc[q][3]), scale[1]);
-      }
-    }
+    if (rows == 1) NAME(q6_k_group_one)(g, a[0].q + b * QK_K, isum[0]);
     for (int u = 0; rows > 1 && u < 8; u++) { /* inputs 32 u ..: half u / 4, part u % 4 */
       const int t = u / 4, q = u % 4;
       int8x16_t L[4][4];
