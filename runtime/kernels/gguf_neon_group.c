@@ -70,7 +70,8 @@ static NEON_INLINE void k4_group_scales(const block_q4_Kx8* g, uint32x4_t scales
 static NEON_INLINE void k4_group_minima(const int16x8_t minima[8], const int16_t* sums, int32x4_t msum[2]) {
   const int16x8_t xs = vpaddq_s16(vld1q_s16(sums), vld1q_s16(sums + 8));
   int32x4_t lo = vmull_laneq_s16(vget_low_s16(minima[0]), xs, 0), hi = vmull_high_laneq_s16(minima[0], xs, 0);
-#define MINIMA(s) lo = vmlal_laneq_s16(lo, vget_low_s16(minima[s]), xs, s), hi = vmlal_high_laneq_s16(hi, minima[s], xs, s)
+#define MINIMA(s) \
+  lo = vmlal_laneq_s16(lo, vget_low_s16(minima[s]), xs, s), hi = vmlal_high_laneq_s16(hi, minima[s], xs, s)
   MINIMA(1);
   MINIMA(2);
   MINIMA(3);

@@ -136,7 +136,8 @@ LEVEL_ATTR static NEON_INLINE void NAME(group_dot_q4_k)(const uint8_t* w, const 
       swap_pairs(isum[r][0], isum[r][1], sums);
       k4_group_minima(minima, a[r].sums + 16 * b, msum);
       for (int h = 0; h < 2; h++) {
-        const float32x4_t t = vsubq_f32(vmulq_f32(d[h], vcvtq_f32_s32(sums[h])), vmulq_f32(dmin[h], vcvtq_f32_s32(msum[h])));
+        const float32x4_t t = vsubq_f32(vmulq_f32(d[h], vcvtq_f32_s32(sums[h])),
+                                        vmulq_f32(dmin[h], vcvtq_f32_s32(msum[h])));
         total[r][h] = vaddq_f32(total[r][h], vmulq_n_f32(t, a[r].d[b]));
       }
     }

@@ -144,7 +144,9 @@ NEON_DOTPROD static NEON_INLINE void rows_q6_k(const uint8_t* w, const ActRow* a
       int32x4_t s[16];
       for (int i = 0; i < 16; i++) s[i] = vdotq_s32(vdupq_n_s32(0), levels[i], vld1q_s8(x + 16 * i));
       int32x4_t isum = vmulq_s32(sums4(s[0], s[1], s[2], s[3]), scales[0]);
-      for (int i = 1; i < 4; i++) isum = vmlaq_s32(isum, sums4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]), scales[i]);
+      for (int i = 1; i < 4; i++) {
+        isum = vmlaq_s32(isum, sums4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]), scales[i]);
+      }
       total[r] += d * a[r].d[b] * (float)vaddvq_s32(isum);
     }
   }

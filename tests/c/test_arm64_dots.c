@@ -43,7 +43,8 @@ static void check(int ok, const char* what, const char* name, const char* layout
 
 /* a float16 in [2^-10, 2^-1) of either sign, as its bits */
 static void random_fp16(uint8_t* p) {
-  const uint16_t bits = (uint16_t)((next_random() & 1) << 15 | (5 + next_random() % 10) << 10 | (next_random() & 0x3ff));
+  const uint32_t sign = next_random() & 1, exponent = 5 + next_random() % 10, mantissa = next_random() & 0x3ff;
+  const uint16_t bits = (uint16_t)(sign << 15 | exponent << 10 | mantissa);
   memcpy(p, &bits, 2);
 }
 
