@@ -2,7 +2,9 @@
 them with a C test (tests/c/test_arm64_dots.c, no ONNX Runtime) and runs it under qemu-user on a CPU model with i8mm
 and the dot products, one with the dot products only, and one with neither. The C test compares every vector dot
 with the portable dot bit for bit (each type, both layouts, odd row counts, tails, tile heights 1..8), the portable
-dot with gguf's dequantization, and the run-time choice with the CPU's level."""
+dot with gguf's dequantization, and the run-time choice with the CPU's level. qemu traps an instruction its CPU
+model lacks (sdot on the Cortex-A57, smmla on the Cortex-A76), so those runs also show that the portable and the
+dot-product paths never reach an instruction the CPU does not have."""
 from __future__ import annotations
 
 import re
