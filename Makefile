@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: install kernels xvfb chat generate export test test-fast lint check-platforms clean
+.PHONY: install kernels xvfb arm64-cross chat generate export test test-fast lint check-platforms clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,17 @@ xvfb:
 			|| echo "note: could not install xvfb; the screenshot test will grab offscreen"; \
 	else echo "note: xvfb is not installed (needs root and apt-get); the screenshot test will grab offscreen"; fi
 
+# The ARM64 dots' test (tests/test_arm64_dots.py) cross-compiles them and runs them under qemu-user: Debian's cross
+# compiler, its C library and qemu-user, installed only where we can (root with apt-get); elsewhere the test skips.
+ARM64_PACKAGES := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+arm64-cross:
+	@if command -v dpkg >/dev/null 2>&1 && dpkg -s $(ARM64_PACKAGES) >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq $(ARM64_PACKAGES) >/dev/null \
+			|| (apt-get update -qq && apt-get install -y -qq $(ARM64_PACKAGES) >/dev/null)) \
+			|| echo "note: could not install $(ARM64_PACKAGES); the ARM64 dots' test will skip"; \
+	else echo "note: $(ARM64_PACKAGES) not installed (needs root and apt-get); the ARM64 dots' test will skip"; fi
+
 # Exports the embedded default model on first use, then opens the chat window (the terminal chat without a display).
 chat: $(STAMP) $(KERNELS)
 	$(BIN)/staticlm app
@@ -50,7 +61,7 @@ export: $(STAMP) $(KERNELS)
 # fixture together) and the heaviest first (--no-loadscope-reorder).
 PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP) $(KERNELS) xvfb
+test: $(STAMP) $(KERNELS) xvfb arm64-cross
 	$(BIN)/ruff check .
 	$(PYTEST)
 

@@ -132,21 +132,23 @@ def write_block_part(writer, weight: str, grid: WeightGrid, *, head: bool) -> Ma
 
 
 def group_rows(raw: np.ndarray, *, qtype: str) -> np.ndarray:
-    """[N, row bytes] -> the same bytes by groups of ROW_GROUP rows (gguf_dot.h), so a group's 8 rows are read as
-    one stream: block b of a group's row j at (b ROW_GROUP + j) blocks from the group's start; for Q4_K and Q6_K,
-    those 8 blocks rearranged as one group block whose levels need no shuffle. Every byte is kept: only moved."""
+    """[N, row bytes] -> the same bytes by groups of ROW_GROUP rows, so a group's 8 rows are read as one stream:
+    the kernels' C structs in runtime/kernels/gguf_dot.h name each layout written here. Block b of a group's row j
+    at (b ROW_GROUP + j) blocks from the group's start (block_q4_0x8 and its kin); for Q4_K and Q6_K, those 8 blocks
+    rearranged as one group block whose levels need no shuffle (block_q4_Kx8, block_q6_Kx8, field by field below).
+    Every byte is kept: only moved."""
     n, row_bytes = raw.shape
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
     num_groups, num_blocks = n // ROW_GROUP, row_bytes // block_bytes
     blocks = raw.reshape(num_groups, ROW_GROUP, num_blocks, block_bytes).transpose(0, 2, 1, 3)  # [G, nb, 8, bytes]
     shape = (num_groups, num_blocks, ROW_GROUP)
     if qtype == "Q4_K":
-        d, dmin = blocks[..., 0:2], blocks[..., 2:4]  # [G, nb, 8, 2] float16 bytes
-        words = blocks[..., 4:16].reshape(*shape, 3, 4).swapaxes(2, 3)  # [G, nb, 3, 8, 4]
-        qs = blocks[..., 16:].reshape(*shape, 4, 4, 8)  # [G, nb, row, chunk, eighth, 8]
+        d, dmin = blocks[..., 0:2], blocks[..., 2:4]  # [G, nb, 8, 2] float16 bytes: d, dmin
+        words = blocks[..., 4:16].reshape(*shape, 3, 4).swapaxes(2, 3)  # [G, nb, 3, 8, 4]: scale_words
+        qs = blocks[..., 16:].reshape(*shape, 4, 4, 8)  # [G, nb, row, chunk, eighth, 8] -> qs[chunk][eighth]
         parts = (d, dmin, words, slotted(qs))
     elif qtype == "Q6_K":
-        scales = blocks[..., 192:208].swapaxes(2, 3)  # [G, nb, 16, 8]
+        scales = blocks[..., 192:208].swapaxes(2, 3)  # [G, nb, 16, 8]: scales[s][row], after d[row]
         ql = blocks[..., :128].reshape(*shape, 2, 2, 4, 8)  # [G, nb, row, half, 32 bytes of 64, eighth, 8]
         qh = blocks[..., 128:192].reshape(*shape, 2, 1, 4, 8)
         parts = (blocks[..., 208:210], scales, slotted(np.concatenate([ql, qh], axis=4)))
@@ -157,7 +159,7 @@ def group_rows(raw: np.ndarray, *, qtype: str) -> np.ndarray:
 
 def slotted(levels: np.ndarray) -> np.ndarray:
     """[G, nb, row, ..., eighth, 8] level bytes -> [G, nb, ..., eighth, half, slot, 8]: 32 bytes of 4 rows at a time
-    (gguf_dot.h), row K4_SLOTS[half, slot]."""
+    (EighthOf8Rows in gguf_dot.h), row K4_SLOTS[half, slot]."""
     by_slot = levels[:, :, K4_SLOTS]  # [G, nb, half, slot, ..., eighth, 8]
     order = list(range(by_slot.ndim))
     return by_slot.transpose(0, 1, *order[4:-1], 2, 3, order[-1])

@@ -43,7 +43,7 @@ AVX2 static INLINE __m256i dot_eighths(const __m256i levels[4][2], const int8_t*
   return _mm256_hadd_epi32(half_sums[0], half_sums[1]);
 }
 
-/* Q4_0, Q5_0, Q4_1, Q5_1 over a group. A block's levels for the 8 rows are unpacked and interleaved once (kept in L1
+/* Q4_0, Q5_0, Q4_1, Q5_1 over a group (block_q4_0x8 and its kin: a block's 8 rows side by side). A block's levels for the 8 rows are unpacked and interleaved once (kept in L1
  * for the tile's activation rows); each activation row's sums come out as one vector whose lanes are the weight
  * rows, so a block's float work (one conversion, one multiply-add) is shared by the 8 rows rather than done for
  * each. w = d (q - mid) is taken off exactly in integers; w = d q + m (minimum) adds m times the row's scaled sum. */
@@ -95,7 +95,7 @@ AVX2 static INLINE __m256i byte_pair(__m256i v, int b) {
   return _mm256_or_si256(_mm256_and_si256(shifted, low), _mm256_and_si256(_mm256_slli_epi32(shifted, 8), high));
 }
 
-/* Q4_K over a group block (gguf_dot.h): the 8 rows' 6-bit scales are unpacked in one pass of vector words, the
+/* Q4_K over a group block (block_q4_Kx8): the 8 rows' 6-bit scales are unpacked in one pass of vector words, the
  * levels need only a mask and a shift (the exporter placed them), and each activation row's sums for the 8 rows
  * come out as one vector: sub-block products in int16 over 4 eighths (at most 8 x 15 x 127 per lane), times each
  * row's scale into int32; the minima's sum m . (x's sub-block sums) in integers too, as the portable dot does. */
@@ -106,8 +106,10 @@ AVX2 static INLINE void group_dot_q4_k(const uint8_t* w, const ActRow* a, const 
   __m256 acc[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < k / QK_K; b++, w += K4_GROUP_BYTES) {
-    const __m256i u0 = _mm256_loadu_si256((const __m256i*)(w + 32)), u1 = _mm256_loadu_si256((const __m256i*)(w + 64));
-    const __m256i u2 = _mm256_loadu_si256((const __m256i*)(w + 96)); /* [8] rows' scale words (k4_scales) */
+    const block_q4_Kx8* g = (const block_q4_Kx8*)w;
+    const __m256i u0 = _mm256_loadu_si256((const __m256i*)g->scale_words[0]);
+    const __m256i u1 = _mm256_loadu_si256((const __m256i*)g->scale_words[1]);
+    const __m256i u2 = _mm256_loadu_si256((const __m256i*)g->scale_words[2]); /* [8] rows' words (k4_scales) */
     const __m256i scales[2] = {
         _mm256_and_si256(u0, low6),
         _mm256_or_si256(_mm256_and_si256(u2, low4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), low2), 4))};
@@ -119,7 +121,7 @@ AVX2 static INLINE void group_dot_q4_k(const uint8_t* w, const ActRow* a, const 
     __m256i levels[8][4][2], spread[8][2]; /* [sub-block][eighth][half]: 32 levels of 4 rows; the rows' scales */
     for (int c = 0; c < 4; c++) {
       for (int v = 0; v < 8; v++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + 128 + 256 * c + 32 * v));
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)g->qs[c][v / 2][v % 2]);
         levels[2 * c][v / 2][v % 2] = _mm256_and_si256(raw, m4);
         levels[2 * c + 1][v / 2][v % 2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
       }
@@ -127,8 +129,8 @@ AVX2 static INLINE void group_dot_q4_k(const uint8_t* w, const ActRow* a, const 
     for (int s = 0; s < 8; s++) {
       for (int h = 0; h < 2; h++) spread[s][h] = _mm256_shuffle_epi8(scales[s / 4], scale_pick(h, s % 4));
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 16)));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g->d));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g->dmin));
     for (int r = 0; r < rows; r++) {
       const int8_t* x = a[r].q + b * QK_K;
       __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -169,7 +171,7 @@ AVX2 static INLINE __m256i row_pick16(int h) {
                           _mm_setr_epi16(first, first, first, first, second, second, second, second));
 }
 
-/* Q6_K over a group block (gguf_dot.h): the 8 rows' 6-bit levels need masks and shifts only, each 16 inputs' products
+/* Q6_K over a group block (block_q6_Kx8): the 8 rows' 6-bit levels need masks and shifts only, each 16 inputs' products
  * stay in int16 over 2 eighths (at most 4 x 63 x 127 per lane) before the rows' scales, and the levels' offset 32 is
  * taken off once per super-block as -32 sc . (x's sums of 16), as the portable dot does. */
 AVX2 static INLINE void group_dot_q6_k(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
@@ -179,21 +181,21 @@ AVX2 static INLINE void group_dot_q6_k(const uint8_t* w, const ActRow* a, const 
   __m256 acc[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < k / QK_K; b++, w += Q6_GROUP_BYTES) {
+    const block_q6_Kx8* g = (const block_q6_Kx8*)w;
     __m256i levels[8][4][2], spread[16][2], pairs[8]; /* [sub-block of 32][eighth][half]; [16s][half]; [8] rows */
     for (int s = 0; s < 16; s++) { /* the 8 rows' scale s as int16, in both lanes, then spread over the halves */
-      const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w + 16 + 8 * s))));
+      const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)g->scales[s])));
       for (int h = 0; h < 2; h++) spread[s][h] = _mm256_shuffle_epi8(sc, pick[h]);
     }
     for (int p = 0; p < 8; p++) { /* [8] rows: (scale 2p, scale 2p + 1) as int16 */
-      const __m128i v = _mm_loadu_si128((const __m128i*)(w + 16 + 16 * p));
+      const __m128i v = _mm_loadu_si128((const __m128i*)g->scales[2 * p]);
       pairs[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
     }
     for (int t = 0; t < 2; t++) {
-      const uint8_t* half = w + 144 + 768 * t;
       for (int v = 0; v < 8; v++) {
-        const __m256i lo = _mm256_loadu_si256((const __m256i*)(half + 32 * v));
-        const __m256i hi = _mm256_loadu_si256((const __m256i*)(half + 256 + 32 * v));
-        const __m256i qh = _mm256_loadu_si256((const __m256i*)(half + 512 + 32 * v));
+        const __m256i lo = _mm256_loadu_si256((const __m256i*)g->levels[t][0][v / 2][v % 2]);
+        const __m256i hi = _mm256_loadu_si256((const __m256i*)g->levels[t][1][v / 2][v % 2]);
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)g->levels[t][2][v / 2][v % 2]);
         __m256i* const q[4] = {&levels[4 * t][v / 2][v % 2], &levels[4 * t + 1][v / 2][v % 2],
                                &levels[4 * t + 2][v / 2][v % 2], &levels[4 * t + 3][v / 2][v % 2]};
         *q[0] = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
@@ -205,7 +207,7 @@ AVX2 static INLINE void group_dot_q6_k(const uint8_t* w, const ActRow* a, const 
                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g->d));
     for (int r = 0; r < rows; r++) {
       const int8_t* x = a[r].q + b * QK_K;
       __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};

@@ -28,16 +28,6 @@ AVX2 static inline __m256i nibbles32(const uint8_t* p) { /* 16 bytes -> 32 level
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
 }
 
-/* Q4_K / Q5_K's 12 scale bytes -> 8 scales (bytes 0..7) and 8 minima (bytes 8..15), in 32-bit words */
-static INLINE void k4_scales(const uint8_t* packed, uint32_t out[4]) {
-  uint32_t u[3];
-  memcpy(u, packed, 12);
-  out[0] = u[0] & 0x3f3f3f3f;                                           /* scales 0..3: low 6 bits */
-  out[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);     /* scales 4..7 */
-  out[2] = u[1] & 0x3f3f3f3f;                                           /* minima 0..3 */
-  out[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4); /* minima 4..7 */
-}
-
 /* A Q4_K / Q5_K super-block's 8 scales as int16 (in both lanes) and its 8 minima times dmin */
 AVX2 static INLINE void k4_header(const uint8_t* w, __m256i* scales, __m256* minima) {
   uint32_t sm[4];
@@ -55,19 +45,6 @@ AVX2 static INLINE __m256i broadcast16(int low_lane_index, int high_lane_index) 
   const __m128i hi = _mm_set1_epi16((short)(high_lane_index * 2 | (high_lane_index * 2 + 1) << 8));
   return _mm256_set_m128i(hi, lo);
 }
-
-/* call(n) with n a constant: 1..8 (a count outside them: 1), so that a loop over n unrolls and keeps registers */
-#define BY_COUNT(count, call) \
-  switch (count) {            \
-    case 8: call(8); break;   \
-    case 7: call(7); break;   \
-    case 6: call(6); break;   \
-    case 5: call(5); break;   \
-    case 4: call(4); break;   \
-    case 3: call(3); break;   \
-    case 2: call(2); break;   \
-    default: call(1); break;  \
-  }
 
 /* one function per type and tile height (a DotFn or GroupDotFn), so each loop over rows has a constant count */
 #define TILED(name, call)                                                                                    \

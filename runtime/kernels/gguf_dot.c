@@ -1,13 +1,18 @@
 /* Dots of GGUF weight rows with 8-bit activation rows, and rows dequantized to float (the embedding's gather).
  *
- * Each type has a portable dot and, on x86-64 with AVX2, a vector dot picked at run time; both compute the same
- * integer sums, so they agree exactly up to the order of the float additions. */
+ * Each type has a portable dot and a vector dot picked at run time: on x86-64 with AVX2 (the same integer sums, so they
+ * agree exactly up to the order of the float additions), on ARM64 with the dot-product instructions (the same sums
+ * and the same float order: bit for bit the portable result, gguf_neon.h). */
 #include "gguf_dot.h"
 
 #include <math.h>
 #include <stdlib.h>
 
 #include "gguf_avx2.h"
+#include "gguf_neon.h"
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF /* the float order the vector dots repeat (gguf_neon.h) */
+#endif
 
 /* ---- activations ---------------------------------------------------------------------------------------------- */
 
@@ -42,22 +47,6 @@ void quantize_act_row(const float* x, int k, int act_block, int8_t* q, float* d,
 }
 
 /* ---- portable dots -------------------------------------------------------------------------------------------- */
-
-/* The 32-input types: a block's 32 levels, unsigned, and what stands for zero: w = d (q - mid) for Q4_0, Q5_0 and
- * Q8_0 (mid 8, 16, 0; Q8_0's levels are signed bytes), w = d q + m for Q4_1 and Q5_1 (their minimum m). */
-typedef struct {
-  int bytes, head, five, minimum, mid; /* head: bytes before the nibbles (d, [m], [qh]) */
-} Block32;
-
-static Block32 block32(int type) {
-  switch (type) {
-    case GGML_Q4_0: return (Block32){18, 2, 0, 0, 8};
-    case GGML_Q5_0: return (Block32){22, 6, 1, 0, 16};
-    case GGML_Q4_1: return (Block32){20, 4, 0, 1, 0};
-    case GGML_Q5_1: return (Block32){24, 8, 1, 1, 0};
-    default: return (Block32){34, 2, 0, 0, 0}; /* Q8_0 */
-  }
-}
 
 static void levels32(int type, const uint8_t* w, int q[32]) {
   const Block32 f = block32(type);
@@ -147,7 +136,7 @@ static float dot_q6_k(const uint8_t* w, ActRow a, int k) {
   return total;
 }
 
-/* ---- AVX2 dots ------------------------------------------------------------------------------------------------ */
+/* ---- the dots by type, vector where the CPU has them ------------------------------------------------------------------------------------------------ */
 
 typedef float (*RowDot)(const uint8_t* w, ActRow a, int k);
 
@@ -167,6 +156,9 @@ PORTABLE_ROWS(rows_q6_k, dot_q6_k)
 DotFn dot_function(int type, int portable) {
 #if HAS_X86
   if (!portable && have_avx2()) return avx2_dot(type);
+#elif HAS_ARM64
+  const DotFn neon = portable ? NULL : neon_dot(type, arm_dot_level());
+  if (neon != NULL) return neon;
 #else
   (void)portable;
 #endif
@@ -195,27 +187,30 @@ PORTABLE_GROUP(group_q5_0, GGML_Q5_0)
 PORTABLE_GROUP(group_q4_1, GGML_Q4_1)
 PORTABLE_GROUP(group_q5_1, GGML_Q5_1)
 
-/* 32 bytes of row j placed as a group block's chunks are (gguf_dot.h), copied back in order */
-static void chunk_row(const uint8_t* chunk, int j, uint8_t* out) {
+/* row j's 32 bytes of 4 eighths placed as a group block's are (gguf_dot.h), copied back in order */
+static void eighths_row(const EighthOf8Rows eighths[4], int j, uint8_t* out) {
   const int h = (j >> 1) & 1, i = (j & 1) | (j >> 2) << 1;
-  for (int e = 0; e < 4; e++) memcpy(out + 8 * e, chunk + 64 * e + 32 * h + 8 * i, 8);
+  for (int e = 0; e < 4; e++) memcpy(out + 8 * e, eighths[e][h][i], 8);
 }
 
 void k4_group_block(const uint8_t* g, int j, uint8_t block[144]) {
-  memcpy(block, g + 2 * j, 2);
-  memcpy(block + 2, g + 16 + 2 * j, 2);
-  for (int u = 0; u < 3; u++) memcpy(block + 4 + 4 * u, g + 32 + 4 * (8 * u + j), 4);
-  for (int c = 0; c < 4; c++) chunk_row(g + 128 + 256 * c, j, block + 16 + 32 * c);
+  const block_q4_Kx8* group = (const block_q4_Kx8*)g;
+  block_q4_K* row = (block_q4_K*)block;
+  memcpy(row->d, group->d[j], 2);
+  memcpy(row->dmin, group->dmin[j], 2);
+  for (int u = 0; u < 3; u++) memcpy(row->scales + 4 * u, group->scale_words[u][j], 4);
+  for (int c = 0; c < 4; c++) eighths_row(group->qs[c], j, row->qs + 32 * c);
 }
 
 void q6_group_block(const uint8_t* g, int j, uint8_t block[210]) {
-  memcpy(block + 208, g + 2 * j, 2);
-  for (int s = 0; s < 16; s++) block[192 + s] = g[16 + 8 * s + j];
+  const block_q6_Kx8* group = (const block_q6_Kx8*)g;
+  block_q6_K* row = (block_q6_K*)block;
+  memcpy(row->d, group->d[j], 2);
+  for (int s = 0; s < 16; s++) row->scales[s] = group->scales[s][j];
   for (int t = 0; t < 2; t++) {
-    const uint8_t* half = g + 144 + 768 * t;
-    chunk_row(half, j, block + 64 * t);
-    chunk_row(half + 256, j, block + 64 * t + 32);
-    chunk_row(half + 512, j, block + 128 + 32 * t);
+    eighths_row(group->levels[t][0], j, row->ql + 64 * t);
+    eighths_row(group->levels[t][1], j, row->ql + 64 * t + 32);
+    eighths_row(group->levels[t][2], j, row->qh + 32 * t);
   }
 }
 
@@ -234,6 +229,9 @@ PORTABLE_BLOCK_GROUP(group_q6_k, 210, Q6_GROUP_BYTES, q6_group_block, dot_q6_k)
 GroupDotFn group_dot_function(int type, int portable) {
 #if HAS_X86
   if (!portable && have_avx2()) return avx2_group_dot(type);
+#elif HAS_ARM64
+  const GroupDotFn neon = portable ? NULL : neon_group_dot(type, arm_dot_level());
+  if (neon != NULL) return neon;
 #endif
   (void)portable;
   switch (type) {

@@ -1,0 +1,102 @@
+/* Which ARM64 dots this CPU runs, asked of the operating system once: Linux's hardware capability bits, macOS's
+ * sysctl, Windows' processor features. An unknown system takes the portable dots. And the int8 rate probe (the
+ * bench's ceiling, as gguf_avx2.c's on x86-64). */
+#if defined(__aarch64__) || defined(_M_ARM64)
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gguf_neon_parts.h"
+
+#if defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1UL << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1UL << 13)
+#endif
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#elif defined(_WIN32)
+#include <windows.h>
+#endif
+
+#if defined(__APPLE__)
+static int sysctl_flag(const char* name) {
+  int value = 0;
+  size_t size = sizeof(value);
+  return sysctlbyname(name, &value, &size, NULL, 0) == 0 && value != 0;
+}
+#endif
+
+static int cpu_level(void) {
+  int dotprod = 0, i8mm = 0;
+#if defined(__linux__)
+  dotprod = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+  i8mm = (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+#elif defined(__APPLE__)
+  dotprod = sysctl_flag("hw.optional.arm.FEAT_DotProd");
+  i8mm = sysctl_flag("hw.optional.arm.FEAT_I8MM");
+#elif defined(_WIN32)
+  dotprod = IsProcessorFeaturePresent(PF_ARM_V82_DP_INSTRUCTIONS_AVAILABLE) != 0;
+#ifdef PF_ARM_V82_I8MM_INSTRUCTIONS_AVAILABLE /* newer SDKs only: without it, Windows takes the dot products */
+  i8mm = IsProcessorFeaturePresent(PF_ARM_V82_I8MM_INSTRUCTIONS_AVAILABLE) != 0;
+#endif
+#endif
+  return dotprod ? (i8mm ? ARM_I8MM : ARM_DOTPROD) : ARM_PORTABLE;
+}
+
+int arm_dot_level(void) {
+  static int cached = -1; /* racing threads compute the same value */
+  if (cached < 0) {
+    int level = cpu_level();
+    const char* wanted = getenv("STATICLM_ARM_DOTS");
+    if (wanted != NULL && *wanted != '\0') {
+      const int cap = !strcmp(wanted, "portable") ? ARM_PORTABLE : !strcmp(wanted, "dotprod") ? ARM_DOTPROD : ARM_I8MM;
+      if (cap < level) level = cap;
+    }
+    cached = level;
+  }
+  return cached;
+}
+
+#if !defined(_WIN32)
+NEON_DOTPROD static double int8_mac_rate_dotprod(double seconds) {
+  enum { K = 4096, ROWS = 4 };
+  static _Thread_local int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
+  for (int i = 0; i < ROWS * K; i++) x[i] = (int8_t)(i * 37);
+  const int8x16_t levels = vdupq_n_s8(11);
+  int32x4_t acc[ROWS];
+  for (int r = 0; r < ROWS; r++) acc[r] = vdupq_n_s32(0);
+  struct timespec start, now;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+  double elapsed = 0.0, passes = 0.0;
+  while (elapsed < seconds) {
+    for (int pass = 0; pass < 64; pass++) {
+      for (int i = 0; i < K; i += 16) {
+        for (int r = 0; r < ROWS; r++) acc[r] = vdotq_s32(acc[r], levels, vld1q_s8(x + r * K + i));
+      }
+      __asm__ volatile("" ::: "memory"); /* each pass reads x again */
+    }
+    passes += 64;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+    elapsed = (double)(now.tv_sec - start.tv_sec) + 1e-9 * (double)(now.tv_nsec - start.tv_nsec);
+  }
+  int32x4_t total = acc[0];
+  for (int r = 1; r < ROWS; r++) total = vaddq_s32(total, acc[r]);
+  volatile int sink = vgetq_lane_s32(total, 0); /* the sums are used: the loop is not removed */
+  (void)sink;
+  return passes * ROWS * K / elapsed;
+}
+
+/* The calling thread's int8 multiply-accumulate rate through sdot, the instruction the ARM64 dots are built on,
+ * the inputs read from L1: MACs per second of the thread's own CPU time over about `seconds` of it; 0 without the
+ * dot products. */
+__attribute__((visibility("default"))) double staticlm_int8_mac_rate(double seconds) {
+  return arm_dot_level() >= ARM_DOTPROD ? int8_mac_rate_dotprod(seconds) : 0.0;
+}
+#endif
+#else
+typedef int gguf_neon_is_arm64_only; /* an empty translation unit elsewhere */
+#endif
