@@ -90,6 +90,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        "on x86_64): later loads skip graph finalization")
     k.add_argument("--model", type=Path, required=True, help="an exported --target htp family")
     k.add_argument("--soc-model", default=None, help="QNN SoC model (default 57, Snapdragon 8 Gen 3)")
+    k.add_argument("--qnn-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a QNN execution provider option for the compile (repeatable), e.g. "
+                        "htp_graph_finalization_optimization_mode=1")
     k.add_argument("--per-graph", action="store_true",
                    help="one context per graph (what the x86_64 emulator loads) instead of one shared binary "
                         "whose graphs share their weights (ep.share_ep_contexts; for the device)")
@@ -170,7 +173,7 @@ def dispatch(args: argparse.Namespace) -> int:
         from staticlm.apps.commands.compile import run_compile
 
         run_compile(model=args.model, soc_model=args.soc_model, per_graph=args.per_graph, graphs=args.graphs,
-                    quiet=args.quiet)
+                    quiet=args.quiet, qnn_options=tuple(args.qnn_option))
         return 0
     if args.command == "bench":
         from staticlm.apps.bench.command import run_bench_command

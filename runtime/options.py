@@ -24,7 +24,7 @@ from staticlm.runtime.family.generation_defaults import FIELDS as SAMPLING_FIELD
 from staticlm.runtime.family.generation_defaults import resolve
 from staticlm.runtime.generate.sampling import SamplingParams
 from staticlm.runtime.generate.text_stream import GenerationParams
-from staticlm.runtime.session.device import DEFAULT_SOC_MODEL, Device, DeviceOptions
+from staticlm.runtime.session.device import DEFAULT_SOC_MODEL, Device, DeviceOptions, parse_provider_options
 from staticlm.runtime.speculative.speculate_options import SpeculateOptions
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -57,6 +57,9 @@ class RunOptions:
     num_threads: int | None = option(None, "CPU threads (default: physical cores)", flag="--threads", low=1,
                                      reloads=True)
     soc_model: str = option(DEFAULT_SOC_MODEL, "QNN SoC model for htp (57: Snapdragon 8 Gen 3)", reloads=True)
+    qnn_options: tuple[str, ...] = option((), "htp: a QNN execution provider option KEY=VALUE for every session "
+                                          "(repeatable), e.g. htp_share_resource_optimization=1 on a device",
+                                          flag="--qnn-option", reloads=True)
     kv_strategy: Strategy = option(Strategy.POINTER, "window graphs: pointer, shift, concat or bmc; in-place "
                                    "graphs (the cpu target's default) use in_place, their only strategy",
                                    reloads=True)
@@ -107,12 +110,14 @@ class RunOptions:
             value = _coerce(f, getattr(self, f.name))
             object.__setattr__(self, f.name, value)
             _check_range(f, value)
+        parse_provider_options(self.qnn_options)
         SpeculateOptions.parse(self.speculate, fixed_length=self.draft_len)
 
     # -- what the runtime is built from ----------------------------------------------------------------
     def engine_options(self) -> EngineOptions:
         return EngineOptions(device=DeviceOptions(device=self.device, num_threads=self.num_threads,
-                                                  soc_model=self.soc_model),
+                                                  soc_model=self.soc_model,
+                                                  provider_options=parse_provider_options(self.qnn_options)),
                              kv_strategy=self.kv_strategy, kv_reserve=self.kv_reserve, overflow=self.overflow,
                              bmc_r=self.bmc_r, prepack=self.prepack, run_parts=self.run_parts,
                              prefill_workers=self.prefill_workers, paired_rows=not self.lone_rows)

@@ -20,6 +20,7 @@ from staticlm.runtime.session.device import (
     context_groups,
     family_graph_files,
     max_context_weight_bytes,
+    parse_provider_options,
 )
 from staticlm.runtime.session.part_compile import GraphDone, PartDone, compile_family
 from staticlm.runtime.session.qnn_context import EMULATOR, SHARED_PREFIX
@@ -33,13 +34,14 @@ def _binaries_mb(directory: Path, *, per_graph: bool) -> float:
 
 
 def run_compile(*, model: Path, soc_model: str | None, per_graph: bool, graphs: str | None = None,
-                quiet: bool = False) -> Path:
+                quiet: bool = False, qnn_options: tuple[str, ...] = ()) -> Path:
     """graphs: a shell pattern over the graph files' names (`decode_s1024*`): only those, each its own context."""
     manifest = load_manifest(model)  # a missing, corrupt or foreign-version family fails here, in one line
     if manifest.quant is None:
         raise InvalidOption(f"{model} is not an HTP family (its graphs are float or CPU-only): "
                             "export it with --target htp first")
-    options = DeviceOptions(**({"soc_model": soc_model} if soc_model else {}))
+    options = DeviceOptions(**({"soc_model": soc_model} if soc_model else {}),
+                            provider_options=parse_provider_options(qnn_options))
     if graphs is not None and not per_graph:
         raise InvalidOption("--graphs needs --per-graph: a shared context holds every graph of its part, as the "
                             "device loads it")

@@ -45,6 +45,18 @@ class DeviceOptions:
     device: Device = Device.AUTO
     num_threads: int | None = None  # None: physical cores
     soc_model: str = DEFAULT_SOC_MODEL
+    provider_options: tuple[tuple[str, str], ...] = ()  # further QNN EP options (--qnn-option KEY=VALUE)
+
+
+def parse_provider_options(items: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """KEY=VALUE strings as pairs; a malformed one is a one-line error."""
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or key.strip() in ("backend_path", "soc_model"):
+            raise DeviceError(f"--qnn-option takes KEY=VALUE (not backend_path or soc_model), got {item!r}")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
 
 
 def physical_cores() -> int:
@@ -176,7 +188,7 @@ def _htp_session_options(options: DeviceOptions) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.add_provider_for_devices(devices, {"backend_path": _qnn_module().get_qnn_htp_path(),
-                                          "soc_model": options.soc_model})
+                                          "soc_model": options.soc_model, **dict(options.provider_options)})
     # A graph that would silently run partly on the CPU must fail loudly instead.
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     return so

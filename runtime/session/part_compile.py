@@ -121,7 +121,7 @@ def compile_family(model_dir: Path, *, options: DeviceOptions, on_graph: Callabl
         check_memory(part, files)
         record = {"key": key, "soc_model": options.soc_model, "qnn_version": version, "ort_version": ort.__version__}
         t0 = time.perf_counter()
-        peak = compile_part(part, files, out=out, soc_model=options.soc_model, on_graph=on_graph, record=record)
+        peak = compile_part(part, files, out=out, options=options, on_graph=on_graph, record=record)
         _remove_others(cache_dir, files, keep=out)
         on_part(PartDone(part=part, directory=out, seconds=time.perf_counter() - t0, peak_rss_bytes=peak,
                          note=f"compiled again: {reason}" if reason else ""))
@@ -136,13 +136,14 @@ def _remove_others(cache_dir: Path, files: tuple[Path, ...], *, keep: Path) -> N
             shutil.rmtree(other, ignore_errors=True)
 
 
-def compile_part(part: int, files: tuple[Path, ...], *, out: Path, soc_model: str,
+def compile_part(part: int, files: tuple[Path, ...], *, out: Path, options: DeviceOptions,
                  on_graph: Callable[[GraphDone], None], record: dict) -> int:
     """files into the shared context directory out, in a child process, its record written last; returns the
     child's peak RSS."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    args = json.dumps({"files": [str(f) for f in files], "out": str(tmp), "soc_model": soc_model})
+    args = json.dumps({"files": [str(f) for f in files], "out": str(tmp), "soc_model": options.soc_model,
+                       "provider_options": list(options.provider_options)})
     child = subprocess.Popen([sys.executable, "-m", "staticlm.runtime.session.part_compile", args],
                              stdout=subprocess.PIPE, text=True)
     sampler = _PeakSampler(child.pid)
@@ -183,7 +184,9 @@ def _child(args: dict) -> int:
         print(json.dumps({"index": index, "name": f.stem, "seconds": round(time.perf_counter() - t0, 1),
                           "rss_bytes": rss}), flush=True)
 
-    device.compile_group_into(files, out, options=DeviceOptions(soc_model=args["soc_model"]), on_graph=done)
+    options = DeviceOptions(soc_model=args["soc_model"],
+                            provider_options=tuple(tuple(pair) for pair in args["provider_options"]))
+    device.compile_group_into(files, out, options=options, on_graph=done)
     return 0
 
 
