@@ -296,3 +296,15 @@ def test_a_part_the_machine_cannot_compile_is_refused_before_compiling(plan_fami
     assert message.startswith(f"part 0 needs about {expected / GIB:.1f} GiB to compile its ")
     assert "0.3 GiB is available: export the family again with --compile-memory" in message
     assert "\n" not in message
+
+
+def test_qnn_options_pass_through_and_a_malformed_one_is_one_line(tmp_path):
+    from staticlm.runtime.options import RunOptions
+
+    options = RunOptions(qnn_options=("htp_graph_finalization_optimization_mode=1",)).engine_options().device
+    assert options.provider_options == (("htp_graph_finalization_optimization_mode", "1"),)
+    for bad in ("no_value", "=1", "soc_model=60"):
+        with pytest.raises(UserError, match="--qnn-option takes KEY=VALUE"):
+            RunOptions(qnn_options=(bad,))
+    proc = staticlm("generate", "--prompt", "hi", "--qnn-option", "nonsense", "--model", tmp_path)
+    assert_one_line_error(proc, "--qnn-option takes KEY=VALUE")
