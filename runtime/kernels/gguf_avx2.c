@@ -3,6 +3,7 @@
 #include <time.h>
 
 #include "gguf_avx2_parts.h"
+#include "portable.h"
 
 /* the same levels as the portable rule: x * (127 / amax) in float32, rounded half to even (MXCSR's default) */
 AVX2 void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums) {
@@ -75,7 +76,7 @@ AVX2 static double int8_mac_rate_avx2(double seconds) {
  * (maddubs into int16 pairs, madd into int32, add), the activations read from L1 as the dots read them: the ceiling
  * the bench sets a prompt's achieved rate against. MACs per second of the thread's own CPU time (other processes
  * sharing the core do not lower it) over about `seconds` of it; 0 without AVX2. */
-__attribute__((visibility("default"))) double staticlm_int8_mac_rate(double seconds) {
+STATICLM_EXPORT double staticlm_int8_mac_rate(double seconds) {
   if (!have_avx2()) return 0.0;
   return int8_mac_rate_avx2(seconds);
 }

@@ -9,30 +9,18 @@
  *     gguf does (the tied embedding reads the head's bytes).
  *
  * STATICLM_GGUF_PORTABLE=1 in the environment when a session registers the ops selects the portable dots (tests). */
-#include <onnxruntime_c_api.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gguf_dot.h"
-#include "scratch.h"
+#include "ops.h"
+#include "ort_setup.h"
 
-OrtStatus* add_attention_ops(OrtCustomOpDomain* domain); /* attention_ops.c */
-
-#define API_VERSION 17 /* KernelContext_ParallelFor: ORT 1.17 */
 #define ROWS_PER_TASK 16 /* a multiple of GROUP */
 _Static_assert(ROWS_PER_TASK % GROUP == 0, "tasks hold whole groups");
 #define QUANTIZE_IN_PARALLEL 8 /* x's rows from which their quantizing is split over the threads too */
 #define MAX_RANK 8
-
-const OrtApi* staticlm_ort; /* attention_ops.c uses it too */
-#define api staticlm_ort
-
-#define TRY(expr)                          \
-  do {                                     \
-    OrtStatus* status_ = (expr);           \
-    if (status_ != NULL) return status_;   \
-  } while (0)
 
 static OrtStatus* fail(const char* op, const char* what) {
   char message[256];
@@ -100,18 +88,6 @@ static OrtStatus* read_inputs(OrtKernelContext* context, const char* op, Tensor*
   TRY(api->KernelContext_GetInput(context, 1, &b));
   TRY(read_tensor(a, op, first));
   return read_tensor(b, op, second);
-}
-
-void* thread_scratch(int slot, size_t bytes) {
-  static _Thread_local void* scratch[SCRATCH_SLOTS];
-  static _Thread_local size_t capacity[SCRATCH_SLOTS];
-  if (bytes > capacity[slot]) {
-    void* grown = realloc(scratch[slot], bytes);
-    if (grown == NULL) return NULL;
-    scratch[slot] = grown;
-    capacity[slot] = bytes;
-  }
-  return scratch[slot];
 }
 
 /* ---- GgufMatMul ---------------------------------------------------------------------------------------------- */
@@ -270,10 +246,8 @@ static OrtStatus* ORT_API_CALL create_gather(const OrtCustomOp* op, const OrtApi
   return create(info, "GgufGather", 0, out);
 }
 
-static void ORT_API_CALL destroy(void* kernel) { free(kernel); }
 static const char* ORT_API_CALL matmul_name(const OrtCustomOp* op) { (void)op; return "GgufMatMul"; }
 static const char* ORT_API_CALL gather_name(const OrtCustomOp* op) { (void)op; return "GgufGather"; }
-static const char* ORT_API_CALL cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t ORT_API_CALL two(const OrtCustomOp* op) { (void)op; return 2; }
 static size_t ORT_API_CALL one(const OrtCustomOp* op) { (void)op; return 1; }
 static ONNXTensorElementDataType ORT_API_CALL matmul_input(const OrtCustomOp* op, size_t i) {
@@ -288,65 +262,26 @@ static ONNXTensorElementDataType ORT_API_CALL float_output(const OrtCustomOp* op
   (void)op, (void)i;
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return INPUT_OUTPUT_REQUIRED;
-}
-static OrtMemType ORT_API_CALL default_memory(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return OrtMemTypeDefault;
-}
-static int ORT_API_CALL arity_one(const OrtCustomOp* op) { (void)op; return 1; }
-static int ORT_API_CALL start_version(const OrtCustomOp* op) { (void)op; return 1; }
-static int ORT_API_CALL end_version(const OrtCustomOp* op) { (void)op; return 1 << 30; }
 
-static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*),
-                            ONNXTensorElementDataType (*input)(const OrtCustomOp*, size_t),
-                            OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
-                            OrtStatus* (*compute)(void*, OrtKernelContext*)) {
-  OrtCustomOp op;
-  memset(&op, 0, sizeof op);
-  op.version = API_VERSION; /* ORT reads no field added after it */
-  op.GetName = name;
-  op.GetExecutionProviderType = cpu;
-  op.GetInputType = input;
-  op.GetInputTypeCount = two;
-  op.GetOutputType = float_output;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy;
-  op.GetInputCharacteristic = required;
-  op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = arity_one;
-  op.GetVariadicInputHomogeneity = arity_one;
-  op.GetVariadicOutputMinArity = arity_one;
-  op.GetVariadicOutputHomogeneity = arity_one;
-  op.CreateKernelV2 = create;
-  op.KernelComputeV2 = compute;
-  op.GetStartVersion = start_version;
-  op.GetEndVersion = end_version;
-  return op;
+static void describe(OrtCustomOp* op, const char* (*name)(const OrtCustomOp*),
+                     ONNXTensorElementDataType (*input)(const OrtCustomOp*, size_t),
+                     OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
+                     OrtStatus* (*compute)(void*, OrtKernelContext*)) {
+  describe_op(op);
+  op->GetName = name;
+  op->GetInputType = input;
+  op->GetInputTypeCount = two;
+  op->GetOutputType = float_output;
+  op->GetOutputTypeCount = one;
+  op->CreateKernelV2 = create;
+  op->KernelComputeV2 = compute;
 }
 
 static OrtCustomOp matmul_op, gather_op;
-static OrtCustomOpDomain* domain;
-static OrtStatus* domain_status;
-static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-static void make_domain(void) {
-  matmul_op = describe(matmul_name, matmul_input, create_matmul, matmul_compute);
-  gather_op = describe(gather_name, gather_input, create_gather, gather_compute);
-  domain_status = api->CreateCustomOpDomain("staticlm", &domain);
-  if (domain_status == NULL) domain_status = api->CustomOpDomain_Add(domain, &matmul_op);
-  if (domain_status == NULL) domain_status = api->CustomOpDomain_Add(domain, &gather_op);
-  if (domain_status == NULL) domain_status = add_attention_ops(domain);
-}
-
-__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
-                                                                                   const OrtApiBase* base) {
-  if (api == NULL) api = base->GetApi(API_VERSION);
-  if (api == NULL) return NULL; /* an ORT older than 1.17: the ops stay unregistered and the graph fails to load */
-  pthread_once(&once, make_domain);
-  if (domain_status != NULL) return api->CreateStatus(ORT_FAIL, api->GetErrorMessage(domain_status));
-  return api->AddCustomOpDomain(options, domain);
+OrtStatus* add_gguf_ops(OrtCustomOpDomain* domain) {
+  describe(&matmul_op, matmul_name, matmul_input, create_matmul, matmul_compute);
+  describe(&gather_op, gather_name, gather_input, create_gather, gather_compute);
+  TRY(api->CustomOpDomain_Add(domain, &matmul_op));
+  return api->CustomOpDomain_Add(domain, &gather_op);
 }

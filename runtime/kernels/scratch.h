@@ -1,4 +1,4 @@
-/* Per-thread scratch memory kept between calls (gguf_ops.c), so an op allocates nothing per step once it has grown. */
+/* Per-thread scratch memory kept between calls (ort_setup.c), so an op allocates nothing per step once it has grown. */
 #pragma once
 #include <stddef.h>
 

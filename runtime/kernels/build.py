@@ -1,0 +1,81 @@
+"""Builds staticlm's kernels library (libstaticlm_gguf.so) from the C beside this file with the C compiler at hand:
+`pip install` runs it (setup.py's build_ext), and so do `make kernels` and build.sh. It needs no ONNX Runtime header
+(ort_abi.h declares the part of ORT's C ABI the ops use) and no root. Where the library cannot be built, it says why
+in one line and in .build-note beside the sources, and staticlm exports families with ORT's MatMulNBits instead.
+
+Standard library and setuptools' compiler classes only (GCC and Clang as `cc` or $CC, MSVC and clang-cl on Windows):
+it runs inside pip's build environment, before staticlm is importable.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NAME = "libstaticlm_gguf"
+LIBRARY_NAME = NAME + (".dll" if sys.platform == "win32" else ".so")
+NOTE = HERE / ".build-note"
+# No -march / -mavx2: the portable code must run on every CPU of the architecture; the vector dots carry their own
+# target attributes and are chosen at run time (ops_register.c records any such flag that leaks in, and the loader
+# refuses the library on a CPU without it).
+UNIX_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra"]
+MSVC_FLAGS = ["/O2", "/std:c11", "/W3"]
+# What a family loses where the library is missing (said once, at install and at export).
+LOSS = ("families use ONNX Runtime's MatMulNBits instead: slower per token and 1.3 to 2.7 times the memory "
+        "(README, Kernels)")
+
+
+def sources() -> list[Path]:
+    return sorted(HERE.glob("*.c"))
+
+
+def _compiler(compiler):
+    if compiler is not None:
+        return compiler
+    from setuptools._distutils import ccompiler, sysconfig
+
+    made = ccompiler.new_compiler()
+    sysconfig.customize_compiler(made)
+    if made.compiler_type == "unix":  # $CC (or cc) alone: the interpreter's own CFLAGS are not this library's
+        cc = os.environ.get("CC", "cc").split()
+        made.set_executables(compiler_so=cc, linker_so=cc + ["-shared"])
+    return made
+
+
+def build(out_dir: Path, *, compiler=None, strict: bool = False) -> str | None:
+    """Compiles every source into out_dir/LIBRARY_NAME: None when built, else why not (also written to NOTE).
+    strict: warnings are errors (the project's own builds; a user's newer compiler may warn where ours does not)."""
+    try:
+        made = _compiler(compiler)
+        msvc = made.compiler_type == "msvc"
+        flags = MSVC_FLAGS if msvc else UNIX_FLAGS + (["-Werror"] if strict else [])
+        with tempfile.TemporaryDirectory() as tmp:
+            objects = made.compile([str(s) for s in sources()], output_dir=tmp, extra_preargs=flags)
+            built = Path(tmp) / LIBRARY_NAME
+            made.link_shared_object(objects, str(built), libraries=[] if msvc else ["m", "pthread"])
+            out_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(built, out_dir / (LIBRARY_NAME + ".tmp"))
+            os.replace(out_dir / (LIBRARY_NAME + ".tmp"), out_dir / LIBRARY_NAME)
+    except Exception as e:  # noqa: BLE001 - any failure to compile leaves the install working, without the library
+        reason = " ".join(str(e).split()) or type(e).__name__
+        reason = f"no working C compiler ({reason})"
+        NOTE.write_text(reason + "\n")
+        return reason
+    NOTE.unlink(missing_ok=True)
+    return None
+
+
+def main() -> int:
+    reason = build(HERE, strict=True)
+    if reason is None:
+        print(f"built {HERE / LIBRARY_NAME}")
+    else:
+        print(f"note: staticlm's GGUF kernels not built: {reason}; {LOSS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
