@@ -17,7 +17,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 NAME = "libstaticlm_gguf"
 LIBRARY_NAME = NAME + (".dll" if sys.platform == "win32" else ".so")
-NOTE = HERE / ".build-note"
+NOTE_NAME = ".build-note"  # why the library is not built, beside where it would be
 # No -march / -mavx2: the portable code must run on every CPU of the architecture; the vector dots carry their own
 # target attributes and are chosen at run time (ops_register.c records any such flag that leaks in, and the loader
 # refuses the library on a CPU without it).
@@ -33,20 +33,29 @@ def sources() -> list[Path]:
 
 
 def _compiler(compiler):
-    if compiler is not None:
-        return compiler
-    from setuptools._distutils import ccompiler, sysconfig
+    made = compiler
+    if made is None:
+        from setuptools._distutils import ccompiler, sysconfig
 
-    made = ccompiler.new_compiler()
-    sysconfig.customize_compiler(made)
+        made = ccompiler.new_compiler()
+        sysconfig.customize_compiler(made)
     if made.compiler_type == "unix":  # $CC (or cc) alone: the interpreter's own CFLAGS are not this library's
         cc = os.environ.get("CC", "cc").split()
         made.set_executables(compiler_so=cc, linker_so=cc + ["-shared"])
     return made
 
 
+def write_note(out_dir: Path, reason: str | None) -> None:
+    note = out_dir / NOTE_NAME
+    if reason is None:
+        note.unlink(missing_ok=True)
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        note.write_text(reason + "\n")
+
+
 def build(out_dir: Path, *, compiler=None, strict: bool = False) -> str | None:
-    """Compiles every source into out_dir/LIBRARY_NAME: None when built, else why not (also written to NOTE).
+    """Compiles every source into out_dir/LIBRARY_NAME: None when built, else why not (also written to NOTE_NAME).
     strict: warnings are errors (the project's own builds; a user's newer compiler may warn where ours does not)."""
     try:
         made = _compiler(compiler)
@@ -62,9 +71,9 @@ def build(out_dir: Path, *, compiler=None, strict: bool = False) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure to compile leaves the install working, without the library
         reason = " ".join(str(e).split()) or type(e).__name__
         reason = f"no working C compiler ({reason})"
-        NOTE.write_text(reason + "\n")
+        write_note(out_dir, reason)
         return reason
-    NOTE.unlink(missing_ok=True)
+    write_note(out_dir, None)
     return None
 
 
