@@ -24,8 +24,8 @@ DOMAIN = "staticlm"
 # STATICLM_KERNELS_LIBRARY: another build of the library to use (the bench compares two builds in one run)
 LIBRARY = Path(os.environ.get("STATICLM_KERNELS_LIBRARY") or Path(__file__).with_name(LIBRARY_NAME))
 _BUILD_NOTE = Path(__file__).with_name(NOTE_NAME)
-HOW_TO_BUILD = ("build them with `make kernels` in a checkout or `python -m staticlm.runtime.kernels.build` "
-                "(a C compiler)")
+HOW_TO_BUILD = ("`make kernels` in a checkout, or `python -m staticlm.runtime.kernels.build` (a C compiler is all "
+                "it needs)")
 # the ggml types the ops read (gguf_blocks.h), by GGMLQuantizationType name
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # GgufMatMul's row_group: a matrix stored by groups of ROW_GROUP rows, their blocks interleaved (gguf_dot.h; Q4_K's and
@@ -114,7 +114,7 @@ def available() -> bool:
 
 
 def why_missing() -> str:
-    return f"{problem() or 'they are built'}: {HOW_TO_BUILD}"
+    return f"{problem() or 'they are built'}: build them with {HOW_TO_BUILD}"
 
 
 def stale_sources() -> list[str]:
@@ -148,7 +148,7 @@ def note_missing() -> None:
     if _noted or available():
         return
     _noted = True
-    print(f"note: {problem()}; {LOSS}. To get them, {HOW_TO_BUILD}.", file=sys.stderr)
+    print(f"note: {problem()}; {LOSS}. To get them, build them with {HOW_TO_BUILD}.", file=sys.stderr)
 
 
 def register(options: ort.SessionOptions) -> None:

@@ -81,12 +81,29 @@ STATICLM_EXPORT double staticlm_int8_mac_rate(double seconds) {
   return int8_mac_rate_avx2(seconds);
 }
 
+#if defined(_WIN32)
+#include <intrin.h>
+/* CPUID itself (MSVC and clang-cl have no __builtin_cpu_supports runtime): FMA, AVX, F16C and the OS saving the
+ * YMM registers (leaf 1, XGETBV), AVX2 (leaf 7) */
+static int cpu_has_avx2(void) {
+  int r[4];
+  __cpuid(r, 1);
+  const int ecx = r[2];
+  if (!((ecx >> 12) & 1) || !((ecx >> 27) & 1) || !((ecx >> 28) & 1) || !((ecx >> 29) & 1)) return 0;
+  if ((_xgetbv(0) & 6) != 6) return 0;
+  __cpuidex(r, 7, 0);
+  return (r[1] >> 5) & 1;
+}
+#else
+static int cpu_has_avx2(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#endif
+
 int have_avx2(void) {
   static int cached = -1;
-  if (cached < 0) {
-    __builtin_cpu_init();
-    cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }
+  if (cached < 0) cached = cpu_has_avx2();
   return cached;
 }
 #else

@@ -101,10 +101,11 @@ typedef struct {
   const float* scaled;
   int64_t m;
   float* y;
+  int failed; /* a task could not grow its scratch */
 } MatMulJob;
 
 static void matmul_task(void* data, size_t task) {
-  const MatMulJob* job = data;
+  MatMulJob* job = data;
   const Kernel* kn = job->kernel;
   const int64_t first = (int64_t)task * ROWS_PER_TASK;
   const int64_t last = first + ROWS_PER_TASK < kn->n ? first + ROWS_PER_TASK : kn->n;
@@ -128,7 +129,11 @@ static void matmul_task(void* data, size_t task) {
         kn->group_dot(group, a, rows, (int)kn->k, y + col, kn->n);
         continue;
       }
-      uint8_t row[kn->row_bytes]; /* one row copied out of the group: K / 32 blocks, tens of kilobytes at most */
+      uint8_t* row = thread_scratch(SCRATCH_ROW, (size_t)kn->row_bytes); /* one row copied out of the group */
+      if (row == NULL) {
+        job->failed = 1;
+        return;
+      }
       for (int j = 0; j < GROUP; j++) {
         for (int64_t b = 0; b < kn->row_bytes / kn->format.block_bytes; b++) {
           memcpy(row + b * kn->format.block_bytes, group + (b * GROUP + j) * kn->format.block_bytes,
@@ -190,9 +195,10 @@ static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext*
     for (int64_t r = 0; r < m; r++) quantize_task(&quantize, (size_t)r);
   }
   if (status != NULL) return status;
-  MatMulJob job = {kn, w.data, q, d, s, scaled, m, y};
+  MatMulJob job = {kn, w.data, q, d, s, scaled, m, y, 0};
   const size_t tasks = (size_t)((kn->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-  return api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job);
+  TRY(api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job));
+  return job.failed ? api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory") : NULL;
 }
 
 /* ---- GgufGather ---------------------------------------------------------------------------------------------- */

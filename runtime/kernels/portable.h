@@ -15,3 +15,11 @@
 #else
 #define THREAD_LOCAL _Thread_local
 #endif
+
+#if defined(_MSC_VER) && !defined(__clang__)
+#define ALWAYS_INLINE __forceinline
+#define TARGET_AVX2 /* MSVC compiles AVX2 intrinsics in any function */
+#else
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
