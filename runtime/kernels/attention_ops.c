@@ -213,16 +213,10 @@ static AttentionOp ops[4] = {{.name = "CachedAttention"}, {.name = "CachedAttent
 OrtStatus* add_attention_ops(OrtCustomOpDomain* domain) {
   for (int i = 0; i < 4; i++) {
     OrtCustomOp* op = &ops[i].op;
-    describe_op(op);
-    op->GetName = name;
-    op->GetInputType = input_type;
-    op->GetInputTypeCount = input_count;
-    op->GetOutputType = output_type;
-    op->GetOutputTypeCount = output_count;
+    static const OpCallbacks callbacks = {name, input_type, input_count, output_type, output_count, create, compute};
+    describe_op(op, &callbacks);
     op->GetInputCharacteristic = input_kind;
     op->GetVariadicInputMinArity = min_arity;
-    op->CreateKernelV2 = create;
-    op->KernelComputeV2 = compute;
     TRY(api->CustomOpDomain_Add(domain, op));
   }
   return NULL;

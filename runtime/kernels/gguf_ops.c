@@ -269,25 +269,13 @@ static ONNXTensorElementDataType ORT_API_CALL float_output(const OrtCustomOp* op
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 
-static void describe(OrtCustomOp* op, const char* (*name)(const OrtCustomOp*),
-                     ONNXTensorElementDataType (*input)(const OrtCustomOp*, size_t),
-                     OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
-                     OrtStatus* (*compute)(void*, OrtKernelContext*)) {
-  describe_op(op);
-  op->GetName = name;
-  op->GetInputType = input;
-  op->GetInputTypeCount = two;
-  op->GetOutputType = float_output;
-  op->GetOutputTypeCount = one;
-  op->CreateKernelV2 = create;
-  op->KernelComputeV2 = compute;
-}
-
 static OrtCustomOp matmul_op, gather_op;
 
 OrtStatus* add_gguf_ops(OrtCustomOpDomain* domain) {
-  describe(&matmul_op, matmul_name, matmul_input, create_matmul, matmul_compute);
-  describe(&gather_op, gather_name, gather_input, create_gather, gather_compute);
+  static const OpCallbacks matmul = {matmul_name, matmul_input, two, float_output, one, create_matmul, matmul_compute};
+  static const OpCallbacks gather = {gather_name, gather_input, two, float_output, one, create_gather, gather_compute};
+  describe_op(&matmul_op, &matmul);
+  describe_op(&gather_op, &gather);
   TRY(api->CustomOpDomain_Add(domain, &matmul_op));
   return api->CustomOpDomain_Add(domain, &gather_op);
 }

@@ -47,9 +47,16 @@ static OrtMemType ORT_API_CALL default_memory(const OrtCustomOp* op, size_t i) {
 static int ORT_API_CALL one(const OrtCustomOp* op) { (void)op; return 1; }
 static int ORT_API_CALL end_version(const OrtCustomOp* op) { (void)op; return 1 << 30; }
 
-void describe_op(OrtCustomOp* op) {
+void describe_op(OrtCustomOp* op, const OpCallbacks* callbacks) {
   memset(op, 0, sizeof *op);
   op->version = ORT_API_NEEDED; /* ORT reads no field added after it */
+  op->GetName = callbacks->name;
+  op->GetInputType = callbacks->input_type;
+  op->GetInputTypeCount = callbacks->input_count;
+  op->GetOutputType = callbacks->output_type;
+  op->GetOutputTypeCount = callbacks->output_count;
+  op->CreateKernelV2 = callbacks->create;
+  op->KernelComputeV2 = callbacks->compute;
   op->GetExecutionProviderType = cpu;
   op->KernelDestroy = destroy;
   op->GetInputCharacteristic = required;

@@ -18,7 +18,18 @@ extern const OrtApi* staticlm_ort; /* set by ort_open() before any op exists */
  * runtime has: "needs C API version 17, this ONNX Runtime 1.x has ..."). */
 OrtStatus* ort_open(const OrtApiBase* base);
 
-/* op's fields that every op here fills alike: ORT's CPU provider, ORT_API_NEEDED's fields only, required inputs and
- * outputs in default memory, the kernel freed with free(), opset 1 on; the op sets its name, types, counts, create
- * and compute (and its inputs' characteristic when one is variadic). */
-void describe_op(OrtCustomOp* op);
+/* What tells one op from another: its name, inputs and outputs, and its kernel */
+typedef struct {
+  const char*(ORT_API_CALL* name)(const OrtCustomOp* op);
+  ONNXTensorElementDataType(ORT_API_CALL* input_type)(const OrtCustomOp* op, size_t index);
+  size_t(ORT_API_CALL* input_count)(const OrtCustomOp* op);
+  ONNXTensorElementDataType(ORT_API_CALL* output_type)(const OrtCustomOp* op, size_t index);
+  size_t(ORT_API_CALL* output_count)(const OrtCustomOp* op);
+  OrtStatus*(ORT_API_CALL* create)(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel);
+  OrtStatus*(ORT_API_CALL* compute)(void* kernel, OrtKernelContext* context);
+} OpCallbacks;
+
+/* op described by its callbacks, and the fields every op here fills alike: ORT's CPU provider, ORT_API_NEEDED's
+ * fields only, required inputs and outputs in default memory, the kernel freed with free(), opset 1 on (an op with a
+ * variadic input sets GetInputCharacteristic and GetVariadicInputMinArity after). */
+void describe_op(OrtCustomOp* op, const OpCallbacks* callbacks);
