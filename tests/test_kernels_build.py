@@ -212,3 +212,27 @@ def test_the_library_declines_an_old_api_table_with_a_status_not_a_crash():
     assert library.RegisterCustomOps(None, ctypes.addressof(base)) == 0x5
     assert said == [b"staticlm's kernels need ONNX Runtime's C API version 17 (ONNX Runtime 1.17 or later); this is "
                     b"ONNX Runtime 1.16.3"]
+
+
+GNU_ONLY = re.compile(r"__attribute__|__builtin_|__declspec|\b__thread\b|__asm__")
+COMPILER_GUARDS = ("__GNUC__", "__clang__", "_MSC_VER", "_WIN32")
+
+
+def test_compiler_specific_words_stand_only_under_a_compiler_guard():
+    """The C builds with GCC, Clang, clang-cl and MSVC alike (README, Kernels): a GNU or MSVC word outside an #if on
+    the compiler would stop one of them."""
+    unguarded = []
+    for source in sorted(KERNELS.glob("*.[ch]")):
+        conditions: list[str] = []
+        for number, line in enumerate(source.read_text().splitlines(), 1):
+            directive = line.strip()
+            if directive.startswith("#if"):
+                conditions.append(directive)
+            elif directive.startswith("#endif"):
+                conditions.pop()
+            elif directive.startswith("#define") and GNU_ONLY.search(line) and not conditions:
+                unguarded.append(f"{source.name}:{number}")
+            elif GNU_ONLY.search(line.split("//")[0]) and not directive.startswith("#"):
+                if not any(guard in c for c in conditions for guard in COMPILER_GUARDS):
+                    unguarded.append(f"{source.name}:{number}")
+    assert unguarded == []

@@ -1,7 +1,5 @@
 /* The AVX2 activation rounding, the run-time check for AVX2, and the int8 rate probe (x86-64). */
 #if defined(__x86_64__) || defined(_M_X64)
-#include <time.h>
-
 #include "gguf_avx2_parts.h"
 #include "portable.h"
 
@@ -42,13 +40,12 @@ AVX2 void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q,
 
 AVX2 static double int8_mac_rate_avx2(double seconds) {
   enum { K = 4096, ROWS = 4 };
-  static _Thread_local int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
+  static THREAD_LOCAL int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
   for (int i = 0; i < ROWS * K; i++) x[i] = (int8_t)(i * 37);
   const __m256i levels = _mm256_set1_epi8(11), scale = _mm256_set1_epi16(3);
   __m256i acc[ROWS];
   for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_si256();
-  struct timespec start, now;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+  const double start = thread_cpu_seconds();
   double elapsed = 0.0, passes = 0.0;
   while (elapsed < seconds) {
     for (int pass = 0; pass < 64; pass++) {
@@ -59,11 +56,10 @@ AVX2 static double int8_mac_rate_avx2(double seconds) {
           acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p0, scale), _mm256_madd_epi16(p1, scale)));
         }
       }
-      __asm__ volatile("" ::: "memory"); /* each pass reads x again */
+      COMPILER_BARRIER(); /* each pass reads x again */
     }
     passes += 64;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
-    elapsed = (double)(now.tv_sec - start.tv_sec) + 1e-9 * (double)(now.tv_nsec - start.tv_nsec);
+    elapsed = thread_cpu_seconds() - start;
   }
   __m256i total = acc[0];
   for (int r = 1; r < ROWS; r++) total = _mm256_add_epi32(total, acc[r]);
