@@ -70,7 +70,9 @@ def build(out_dir: Path, *, compiler=None, strict: bool = False) -> str | None:
             os.replace(out_dir / (LIBRARY_NAME + ".tmp"), out_dir / LIBRARY_NAME)
     except Exception as e:  # noqa: BLE001 - any failure to compile leaves the install working, without the library
         reason = " ".join(str(e).split()) or type(e).__name__
-        reason = f"no working C compiler ({reason})"
+        # a compiler that ran and refused the C (its messages are above) or none at all
+        failed = type(e).__name__ in ("CompileError", "LinkError") and "No such file" not in reason
+        reason = f"the C compiler failed ({reason})" if failed else f"no working C compiler ({reason})"
         write_note(out_dir, reason)
         return reason
     write_note(out_dir, None)

@@ -91,9 +91,12 @@ static int cpu_has_avx2(void) {
   return (r[1] >> 5) & 1;
 }
 #else
+#include <cpuid.h>
 static int cpu_has_avx2(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+  unsigned int eax, ebx, ecx, edx; /* F16C from CPUID leaf 1: Clang's __builtin_cpu_supports does not know it */
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && ((ecx >> 29) & 1);
 }
 #endif
 
