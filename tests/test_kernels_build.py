@@ -236,3 +236,16 @@ def test_compiler_specific_words_stand_only_under_a_compiler_guard():
                 if not any(guard in c for c in conditions for guard in COMPILER_GUARDS):
                     unguarded.append(f"{source.name}:{number}")
     assert unguarded == []
+
+
+def test_an_export_where_the_kernels_are_missing_says_once_what_it_loses(monkeypatch, tmp_path, capsys):
+    from staticlm.export.options import ExportRequest
+
+    monkeypatch.setattr(kernels, "LIBRARY", tmp_path / build.LIBRARY_NAME)
+    monkeypatch.setattr(kernels, "_noted", False)
+    for _ in range(2):
+        assert ExportRequest(target="cpu").cpu_options().gguf_kernels is False
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "MatMulNBits" in said[0] and "python -m staticlm.runtime.kernels.build" in said[0]
+    ExportRequest(target="cpu", gguf_kernels="off").cpu_options()  # asked for: nothing more to say
+    assert capsys.readouterr().err == ""
