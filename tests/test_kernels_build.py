@@ -188,7 +188,7 @@ def test_an_onnx_runtime_older_than_the_ops_c_api_is_refused(monkeypatch):
         pytest.skip(kernels.why_missing())
     monkeypatch.setattr(kernels.ort, "__version__", "1.16.3")
     one_line_refusal(monkeypatch, r"need ONNX Runtime's C API version 17 \(onnxruntime 1.17 or later\), this is "
-                                  r"onnxruntime 1.16.3")
+                                  r"onnxruntime 1.16.3: upgrade it \(pip install -U onnxruntime\); or re-export")
 
 
 def test_the_library_declines_an_old_api_table_with_a_status_not_a_crash():

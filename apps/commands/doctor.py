@@ -28,9 +28,10 @@ def cpu_lines() -> list[str]:
 def kernels_lines() -> list[str]:
     problem = kernels.problem()
     if problem is not None:
-        return [f"kernels: not usable: {problem}",
-                f"  so: a --target cpu family exported here: {kernels.LOSS}",
-                f"  to get them: {kernels.HOW_TO_BUILD}"]
+        lines = [f"kernels: not usable: {problem}", f"  so: a --target cpu family exported here: {kernels.LOSS}"]
+        if not problem.endswith(kernels.UPGRADE_ORT):
+            lines.append(f"  to get them: build them with {kernels.HOW_TO_BUILD}")
+        return lines
     arch, flags, needed = kernels.read_target(kernels.LIBRARY)
     stale = kernels.stale_sources()
     lines = [f"kernels: {kernels.LIBRARY} (built for {arch}, {', '.join(sorted(flags)) or 'no CPU flag assumed'}, "

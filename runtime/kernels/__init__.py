@@ -26,6 +26,7 @@ LIBRARY = Path(os.environ.get("STATICLM_KERNELS_LIBRARY") or Path(__file__).with
 _BUILD_NOTE = Path(__file__).with_name(NOTE_NAME)
 HOW_TO_BUILD = ("`make kernels` in a checkout, or `python -m staticlm.runtime.kernels.build` (a C compiler is all "
                 "it needs)")
+UPGRADE_ORT = "upgrade it (pip install -U onnxruntime)"
 # the ggml types the ops read (gguf_blocks.h), by GGMLQuantizationType name
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # GgufMatMul's row_group: a matrix stored by groups of ROW_GROUP rows, their blocks interleaved (gguf_dot.h; Q4_K's and
@@ -33,6 +34,8 @@ TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_
 # float work shared by 8 rows)
 ROW_GROUP = 8
 GROUPED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"})
+# the architectures ops_register.c names (any other is "other")
+KNOWN_ARCHS = ("x86_64", "aarch64")
 # the record ops_register.c compiles into the library: "staticlm-kernels-target:ARCH:FLAG,FLAG,:apiN;"
 TARGET_MARK = b"staticlm-kernels-target:"
 
@@ -98,14 +101,14 @@ def _unusable(path: str, _mtime_ns: int, api_version: int) -> str | None:
     if target is None:
         return f"{path} is not a kernels library of this staticlm (it has no target record)"
     arch, flags, needed = target
-    if arch != machine():
+    if arch != machine() and not (arch == "other" and machine() not in KNOWN_ARCHS):
         return f"{path} was built for {arch}, this CPU is {machine()}"
     missing = sorted(flags - cpu_features()) if cpu_features() is not None else []
     if missing:
         return f"{path} was built for a CPU with {', '.join(missing)}, which this one lacks (a -march flag?)"
     if api_version < needed:
         return (f"staticlm's GGUF kernels need ONNX Runtime's C API version {needed} (onnxruntime 1.{needed} or "
-                f"later), this is onnxruntime {ort.__version__}")
+                f"later), this is onnxruntime {ort.__version__}: {UPGRADE_ORT}")
     return None
 
 
@@ -114,7 +117,8 @@ def available() -> bool:
 
 
 def why_missing() -> str:
-    return f"{problem() or 'they are built'}: build them with {HOW_TO_BUILD}"
+    reason = problem() or "they are built"
+    return reason if reason.endswith(UPGRADE_ORT) else f"{reason}: build them with {HOW_TO_BUILD}"
 
 
 def stale_sources() -> list[str]:
