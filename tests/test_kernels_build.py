@@ -249,3 +249,17 @@ def test_an_export_where_the_kernels_are_missing_says_once_what_it_loses(monkeyp
     assert len(said) == 1 and "MatMulNBits" in said[0] and "python -m staticlm.runtime.kernels.build" in said[0]
     ExportRequest(target="cpu", gguf_kernels="off").cpu_options()  # asked for: nothing more to say
     assert capsys.readouterr().err == ""
+
+
+@needs_cc
+def test_a_flag_for_one_source_stays_out_of_the_record(monkeypatch, tmp_path):
+    """SOURCE_FLAGS (a vector dot file compiled for a CPU feature it checks for at run time) reach that file alone:
+    the record, compiled in ops_register.c, still takes no CPU feature for granted."""
+    if kernels.machine() != "x86_64":
+        pytest.skip("the flag is x86's")
+    monkeypatch.setitem(build.SOURCE_FLAGS, "gguf_avx2.c", ["-mavx2", "-mfma", "-mf16c"])
+    assert build.build(tmp_path) is None
+    assert kernels.read_target(tmp_path / build.LIBRARY_NAME)[1] == frozenset()
+    monkeypatch.setitem(build.SOURCE_FLAGS, "ops_register.c", ["-mavx2"])
+    assert build.build(tmp_path) is None
+    assert "avx2" in kernels.read_target(tmp_path / build.LIBRARY_NAME)[1]

@@ -28,8 +28,24 @@ LOSS = ("families use ONNX Runtime's MatMulNBits instead: slower per token and 1
         "(README, Kernels)")
 
 
+# Flags for one source alone, by file name, on GCC and Clang: a vector dot file may be compiled for a CPU feature
+# (say "-march=armv8.2-a+dotprod") as long as the code that calls it checks the CPU first. Never a flag for every
+# file: it would leak into the portable code (ops_register.c records it, and the loader refuses the library).
+SOURCE_FLAGS: dict[str, list[str]] = {}
+
+
 def sources() -> list[Path]:
     return sorted(HERE.glob("*.c"))
+
+
+def _compile(made, flags: list[str], tmp: str) -> list[str]:
+    """Every source's object file: those with SOURCE_FLAGS one by one, the rest at once."""
+    plain = [str(s) for s in sources() if made.compiler_type == "msvc" or s.name not in SOURCE_FLAGS]
+    objects = made.compile(plain, output_dir=tmp, extra_preargs=flags)
+    for source in sources():
+        if str(source) not in plain:
+            objects += made.compile([str(source)], output_dir=tmp, extra_preargs=flags + SOURCE_FLAGS[source.name])
+    return objects
 
 
 def _compiler(compiler):
@@ -62,7 +78,7 @@ def build(out_dir: Path, *, compiler=None, strict: bool = False) -> str | None:
         msvc = made.compiler_type == "msvc"
         flags = MSVC_FLAGS if msvc else UNIX_FLAGS + (["-Werror"] if strict else [])
         with tempfile.TemporaryDirectory() as tmp:
-            objects = made.compile([str(s) for s in sources()], output_dir=tmp, extra_preargs=flags)
+            objects = _compile(made, flags, tmp)
             built = Path(tmp) / LIBRARY_NAME
             made.link_shared_object(objects, str(built), libraries=[] if msvc else ["m", "pthread"])
             out_dir.mkdir(parents=True, exist_ok=True)
