@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -39,13 +40,13 @@ def sources() -> list[Path]:
 
 
 def _compile(made, flags: list[str], tmp: str) -> list[str]:
-    """Every source's object file: those with SOURCE_FLAGS one by one, the rest at once."""
-    plain = [str(s) for s in sources() if made.compiler_type == "msvc" or s.name not in SOURCE_FLAGS]
-    objects = made.compile(plain, output_dir=tmp, extra_preargs=flags)
-    for source in sources():
-        if str(source) not in plain:
-            objects += made.compile([str(source)], output_dir=tmp, extra_preargs=flags + SOURCE_FLAGS[source.name])
-    return objects
+    """Every source's object file (with its SOURCE_FLAGS), one compiler process per core at a time."""
+    def one(source: Path) -> list[str]:
+        extra = [] if made.compiler_type == "msvc" else SOURCE_FLAGS.get(source.name, [])
+        return made.compile([str(source)], output_dir=tmp, extra_preargs=flags + extra)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return [obj for objects in pool.map(one, sources()) for obj in objects]
 
 
 def _compiler(compiler):
