@@ -2,7 +2,7 @@
 reads the file's own blocks per step (GgufMatMul, GgufGather, domain "staticlm") instead of MatMulNBits containers,
 which are wider for every K-quant.
 
-The library is built by `pip install` (setup.py), `make kernels` or `python -m staticlm.runtime.kernels.build`
+The library is built by `pip install` (setup.py), `make kernels` or `python -m staticlm.runtime.kernels`
 (build.py): a C compiler is all it needs. Where it is missing or cannot run here (another CPU's build, an ONNX
 Runtime older than its C API needs), families are exported with MatMulNBits, and a family that needs the ops says
 so in one line.
@@ -24,7 +24,7 @@ DOMAIN = "staticlm"
 # STATICLM_KERNELS_LIBRARY: another build of the library to use (the bench compares two builds in one run)
 LIBRARY = Path(os.environ.get("STATICLM_KERNELS_LIBRARY") or Path(__file__).with_name(LIBRARY_NAME))
 _BUILD_NOTE = Path(__file__).with_name(NOTE_NAME)
-HOW_TO_BUILD = ("`make kernels` in a checkout, or `python -m staticlm.runtime.kernels.build` (a C compiler is all "
+HOW_TO_BUILD = ("`make kernels` in a checkout, or `python -m staticlm.runtime.kernels` (a C compiler is all "
                 "it needs)")
 UPGRADE_ORT = "upgrade it (pip install -U onnxruntime)"
 # the ggml types the ops read (gguf_blocks.h), by GGMLQuantizationType name
