@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: install kernels xvfb arm64-cross chat generate export test test-fast lint check-platforms clean
+.PHONY: install kernels ort-header xvfb arm64-cross chat generate export test test-fast lint check-platforms clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,14 +14,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# staticlm's ONNX Runtime kernels over GGUF blocks (runtime/kernels): a C compiler and ORT's C API header, which
-# build.sh takes from Debian's libonnxruntime-dev where it is not installed; without them it says why, and families
-# use ORT's MatMulNBits instead.
+# staticlm's ONNX Runtime kernels over GGUF blocks (runtime/kernels): `pip install` builds them (setup.py), and this
+# rebuilds them after their sources change. A C compiler is all they need; without one build.sh says why, and
+# families use ORT's MatMulNBits instead.
 KERNELS := runtime/kernels/libstaticlm_gguf.so
-$(KERNELS): $(wildcard runtime/kernels/*.c runtime/kernels/*.h) runtime/kernels/build.sh
-	@bash runtime/kernels/build.sh
+$(KERNELS): $(wildcard runtime/kernels/*.c runtime/kernels/*.h) runtime/kernels/build.sh runtime/kernels/build.py | $(STAMP)
+	@PYTHON=$(BIN)/python bash runtime/kernels/build.sh
 
 kernels: $(KERNELS)
+
+# ONNX Runtime's C header, only for the test that checks the kernels' own declarations of its ABI against it.
+ort-header:
+	@bash .ci/ort_header.sh
 
 # The GUI screenshot test runs under Xvfb: Debian's xvfb plus the X libraries Qt's xcb plugin loads, installed
 # only where we can (root with apt-get); anywhere else this is a no-op and the test grabs the window offscreen.
@@ -61,7 +65,7 @@ export: $(STAMP) $(KERNELS)
 # fixture together) and the heaviest first (--no-loadscope-reorder).
 PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP) $(KERNELS) xvfb arm64-cross
+test: $(STAMP) $(KERNELS) xvfb ort-header arm64-cross
 	$(BIN)/ruff check .
 	$(PYTEST)
 

@@ -1,4 +1,4 @@
-"""The `staticlm` command: export, compile, generate, chat, serve, app, eval, bench.
+"""The `staticlm` command: export, compile, generate, chat, serve, app, eval, bench, doctor.
 
 The options that run a model (generate, chat, serve, app) are not written here: each is a field of
 `runtime.options.RunOptions`, and `add_run_options` turns every field into a flag. Only what the user typed
@@ -100,6 +100,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="with --per-graph: only the graphs whose file names match this shell pattern, e.g. "
                         "'decode_s1024*' (the ones a run at one context loads)")
     k.add_argument("--quiet", action="store_true")
+    sub.add_parser("doctor", help="which path a family takes on this machine and why: staticlm's kernels, the CPU's "
+                   "features, ONNX Runtime's C API, the QNN EP")
     b = sub.add_parser("bench", help="decode/prefill speed, KV strategies and BMC microbenchmark, against the peers")
     b.add_argument("--model", type=Path, default=None, help="exported model directory (default: the embedded SmolLM2)")
     b.add_argument("--threads", type=int, default=2, help="CPU threads for ours and every peer (default 2)")
@@ -175,6 +177,10 @@ def dispatch(args: argparse.Namespace) -> int:
         run_compile(model=args.model, soc_model=args.soc_model, per_graph=args.per_graph, graphs=args.graphs,
                     quiet=args.quiet, qnn_options=tuple(args.qnn_option))
         return 0
+    if args.command == "doctor":
+        from staticlm.apps.commands.doctor import run_doctor
+
+        return run_doctor()
     if args.command == "bench":
         from staticlm.apps.bench.command import run_bench_command
 

@@ -193,6 +193,8 @@ class ExportRequest:
         if self.gguf_kernels == "on" and not kernels.available():
             raise InvalidOption(f"--gguf-kernels on: {kernels.why_missing()}")
         use_kernels = kernels.available() if self.gguf_kernels is None else self.gguf_kernels == "on"
+        if self.gguf_kernels is None and not use_kernels:
+            kernels.note_missing()
         base = CpuOptions(bits=bits, attention=attention, grid_minima=GridMinima(self.grid_minima or "exact"),
                           kv_dtype=self.kv_dtype or default_kv_dtype(staticlm_attention=use_kernels),
                           gguf_kernels=use_kernels,

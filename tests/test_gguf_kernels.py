@@ -207,7 +207,7 @@ def test_a_library_older_than_its_sources_is_refused_in_one_line(monkeypatch, tm
     from staticlm.errors import UserError
 
     library, source = tmp_path / "libstaticlm_gguf.so", tmp_path / "gguf_dot.c"
-    library.write_bytes(b"")
+    library.write_bytes(kernels.TARGET_MARK + kernels.machine().encode() + b"::api17;")  # a library, for the loader
     source.write_text("")
     monkeypatch.setattr(kernels, "LIBRARY", library)
     os.utime(source, (1_000_000, 1_000_000))

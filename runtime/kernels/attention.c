@@ -130,7 +130,7 @@ AVX2 static inline float hmax(__m256 v) {
 }
 
 /* scores s[p][j] = scale q[p] . k_j for G vectors and rows 0..n: each key row read once for the G vectors */
-AVX2 static inline __attribute__((always_inline)) void group_scores(const float* const* q, int G, int d, float scale,
+AVX2 static ALWAYS_INLINE void group_scores(const float* const* q, int G, int d, float scale,
                                                                     const void* const* keys, int n, int half,
                                                                     float* const* s) {
   for (int j = 0; j < n; j++) {
@@ -146,7 +146,7 @@ AVX2 static inline __attribute__((always_inline)) void group_scores(const float*
 }
 
 /* out[p] = inv[p] sum_j s[p][j] v_j for G vectors: each value row read once for the G vectors */
-AVX2 static inline __attribute__((always_inline)) void group_values(float* const* s, const float* inv, int G, int d,
+AVX2 static ALWAYS_INLINE void group_values(float* const* s, const float* inv, int G, int d,
                                                                     const void* const* values, int n, int half,
                                                                     float* const* out) {
   for (int c = 0; c < d; c += 8) {

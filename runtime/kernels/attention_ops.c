@@ -14,21 +14,14 @@
  *     segment, then the response rows and new rows where bias[b, 0, r] is 0, in that order, as the lane's buffer
  *     holds the same rows. New rows are rounded to the cache's type first, as the lane reads them back.
  * A name ending in F16 takes float16 KV (the cache's type); q, k, v and out are float32. */
-#include <onnxruntime_c_api.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "attention_job.h"
+#include "ops.h"
+#include "ort_setup.h"
 
-extern const OrtApi* staticlm_ort; /* gguf_ops.c */
-#define api staticlm_ort
 #define MAX_DIMS 8
-
-#define TRY(expr)                          \
-  do {                                     \
-    OrtStatus* status_ = (expr);           \
-    if (status_ != NULL) return status_;   \
-  } while (0)
 
 typedef struct {
   OrtCustomOp op; /* first: ORT passes this op's address to every callback */
@@ -190,9 +183,7 @@ static OrtStatus* ORT_API_CALL create(const OrtCustomOp* op, const OrtApi* a, co
   return NULL;
 }
 
-static void ORT_API_CALL destroy(void* kernel) { free(kernel); }
 static const char* ORT_API_CALL name(const OrtCustomOp* op) { return ((const AttentionOp*)op)->name; }
-static const char* ORT_API_CALL cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t ORT_API_CALL input_count(const OrtCustomOp* op) { (void)op; return 7; }
 static size_t ORT_API_CALL output_count(const OrtCustomOp* op) { return ((const AttentionOp*)op)->segmented ? 1 : 3; }
 
@@ -213,21 +204,7 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCus
   return ((const AttentionOp*)op)->segmented && i == 6 ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
 }
 
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return INPUT_OUTPUT_REQUIRED;
-}
-
-static OrtMemType ORT_API_CALL memory(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return OrtMemTypeDefault;
-}
-
 static int ORT_API_CALL min_arity(const OrtCustomOp* op) { (void)op; return 2; }
-static int ORT_API_CALL homogeneous(const OrtCustomOp* op) { (void)op; return 1; }
-static int ORT_API_CALL one(const OrtCustomOp* op) { (void)op; return 1; }
-static int ORT_API_CALL start_version(const OrtCustomOp* op) { (void)op; return 1; }
-static int ORT_API_CALL end_version(const OrtCustomOp* op) { (void)op; return 1 << 30; }
 
 static AttentionOp ops[4] = {{.name = "CachedAttention"}, {.name = "CachedAttentionF16", .half = 1},
                              {.name = "SegmentAttention", .segmented = 1},
@@ -236,25 +213,10 @@ static AttentionOp ops[4] = {{.name = "CachedAttention"}, {.name = "CachedAttent
 OrtStatus* add_attention_ops(OrtCustomOpDomain* domain) {
   for (int i = 0; i < 4; i++) {
     OrtCustomOp* op = &ops[i].op;
-    op->version = 17; /* ORT reads no field added after it */
-    op->GetName = name;
-    op->GetExecutionProviderType = cpu;
-    op->GetInputType = input_type;
-    op->GetInputTypeCount = input_count;
-    op->GetOutputType = output_type;
-    op->GetOutputTypeCount = output_count;
-    op->KernelDestroy = destroy;
+    static const OpCallbacks callbacks = {name, input_type, input_count, output_type, output_count, create, compute};
+    describe_op(op, &callbacks);
     op->GetInputCharacteristic = input_kind;
-    op->GetOutputCharacteristic = output_kind;
-    op->GetInputMemoryType = memory;
     op->GetVariadicInputMinArity = min_arity;
-    op->GetVariadicInputHomogeneity = homogeneous;
-    op->GetVariadicOutputMinArity = one;
-    op->GetVariadicOutputHomogeneity = one;
-    op->CreateKernelV2 = create;
-    op->KernelComputeV2 = compute;
-    op->GetStartVersion = start_version;
-    op->GetEndVersion = end_version;
     TRY(api->CustomOpDomain_Add(domain, op));
   }
   return NULL;

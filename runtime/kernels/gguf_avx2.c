@@ -1,8 +1,7 @@
 /* The AVX2 activation rounding, the run-time check for AVX2, and the int8 rate probe (x86-64). */
 #if defined(__x86_64__) || defined(_M_X64)
-#include <time.h>
-
 #include "gguf_avx2_parts.h"
+#include "portable.h"
 
 /* the same levels as the portable rule: x * (127 / amax) in float32, rounded half to even (MXCSR's default) */
 AVX2 void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q, float* d, int16_t* sums) {
@@ -41,13 +40,12 @@ AVX2 void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q,
 
 AVX2 static double int8_mac_rate_avx2(double seconds) {
   enum { K = 4096, ROWS = 4 };
-  static _Thread_local int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
+  static THREAD_LOCAL int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
   for (int i = 0; i < ROWS * K; i++) x[i] = (int8_t)(i * 37);
   const __m256i levels = _mm256_set1_epi8(11), scale = _mm256_set1_epi16(3);
   __m256i acc[ROWS];
   for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_si256();
-  struct timespec start, now;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+  const double start = thread_cpu_seconds();
   double elapsed = 0.0, passes = 0.0;
   while (elapsed < seconds) {
     for (int pass = 0; pass < 64; pass++) {
@@ -58,11 +56,10 @@ AVX2 static double int8_mac_rate_avx2(double seconds) {
           acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p0, scale), _mm256_madd_epi16(p1, scale)));
         }
       }
-      __asm__ volatile("" ::: "memory"); /* each pass reads x again */
+      COMPILER_BARRIER(); /* each pass reads x again */
     }
     passes += 64;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
-    elapsed = (double)(now.tv_sec - start.tv_sec) + 1e-9 * (double)(now.tv_nsec - start.tv_nsec);
+    elapsed = thread_cpu_seconds() - start;
   }
   __m256i total = acc[0];
   for (int r = 1; r < ROWS; r++) total = _mm256_add_epi32(total, acc[r]);
@@ -75,17 +72,37 @@ AVX2 static double int8_mac_rate_avx2(double seconds) {
  * (maddubs into int16 pairs, madd into int32, add), the activations read from L1 as the dots read them: the ceiling
  * the bench sets a prompt's achieved rate against. MACs per second of the thread's own CPU time (other processes
  * sharing the core do not lower it) over about `seconds` of it; 0 without AVX2. */
-__attribute__((visibility("default"))) double staticlm_int8_mac_rate(double seconds) {
+STATICLM_EXPORT double staticlm_int8_mac_rate(double seconds) {
   if (!have_avx2()) return 0.0;
   return int8_mac_rate_avx2(seconds);
 }
 
+#if defined(_WIN32)
+#include <intrin.h>
+/* CPUID itself (MSVC and clang-cl have no __builtin_cpu_supports runtime): FMA, AVX, F16C and the OS saving the
+ * YMM registers (leaf 1, XGETBV), AVX2 (leaf 7) */
+static int cpu_has_avx2(void) {
+  int r[4];
+  __cpuid(r, 1);
+  const int ecx = r[2];
+  if (!((ecx >> 12) & 1) || !((ecx >> 27) & 1) || !((ecx >> 28) & 1) || !((ecx >> 29) & 1)) return 0;
+  if ((_xgetbv(0) & 6) != 6) return 0;
+  __cpuidex(r, 7, 0);
+  return (r[1] >> 5) & 1;
+}
+#else
+#include <cpuid.h>
+static int cpu_has_avx2(void) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+  unsigned int eax, ebx, ecx, edx; /* F16C from CPUID leaf 1: Clang's __builtin_cpu_supports does not know it */
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && ((ecx >> 29) & 1);
+}
+#endif
+
 int have_avx2(void) {
   static int cached = -1;
-  if (cached < 0) {
-    __builtin_cpu_init();
-    cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }
+  if (cached < 0) cached = cpu_has_avx2();
   return cached;
 }
 #else

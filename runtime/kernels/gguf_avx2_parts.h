@@ -3,9 +3,10 @@
 #include <immintrin.h>
 
 #include "gguf_avx2.h"
+#include "portable.h"
 
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE __attribute__((always_inline)) inline
+#define AVX2 TARGET_AVX2
+#define INLINE ALWAYS_INLINE
 
 AVX2 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

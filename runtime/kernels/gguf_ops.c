@@ -9,30 +9,18 @@
  *     gguf does (the tied embedding reads the head's bytes).
  *
  * STATICLM_GGUF_PORTABLE=1 in the environment when a session registers the ops selects the portable dots (tests). */
-#include <onnxruntime_c_api.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gguf_dot.h"
-#include "scratch.h"
+#include "ops.h"
+#include "ort_setup.h"
 
-OrtStatus* add_attention_ops(OrtCustomOpDomain* domain); /* attention_ops.c */
-
-#define API_VERSION 17 /* KernelContext_ParallelFor: ORT 1.17 */
 #define ROWS_PER_TASK 16 /* a multiple of GROUP */
 _Static_assert(ROWS_PER_TASK % GROUP == 0, "tasks hold whole groups");
 #define QUANTIZE_IN_PARALLEL 8 /* x's rows from which their quantizing is split over the threads too */
 #define MAX_RANK 8
-
-const OrtApi* staticlm_ort; /* attention_ops.c uses it too */
-#define api staticlm_ort
-
-#define TRY(expr)                          \
-  do {                                     \
-    OrtStatus* status_ = (expr);           \
-    if (status_ != NULL) return status_;   \
-  } while (0)
 
 static OrtStatus* fail(const char* op, const char* what) {
   char message[256];
@@ -102,18 +90,6 @@ static OrtStatus* read_inputs(OrtKernelContext* context, const char* op, Tensor*
   return read_tensor(b, op, second);
 }
 
-void* thread_scratch(int slot, size_t bytes) {
-  static _Thread_local void* scratch[SCRATCH_SLOTS];
-  static _Thread_local size_t capacity[SCRATCH_SLOTS];
-  if (bytes > capacity[slot]) {
-    void* grown = realloc(scratch[slot], bytes);
-    if (grown == NULL) return NULL;
-    scratch[slot] = grown;
-    capacity[slot] = bytes;
-  }
-  return scratch[slot];
-}
-
 /* ---- GgufMatMul ---------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -125,10 +101,11 @@ typedef struct {
   const float* scaled;
   int64_t m;
   float* y;
+  int failed; /* a task could not grow its scratch */
 } MatMulJob;
 
 static void matmul_task(void* data, size_t task) {
-  const MatMulJob* job = data;
+  MatMulJob* job = data;
   const Kernel* kn = job->kernel;
   const int64_t first = (int64_t)task * ROWS_PER_TASK;
   const int64_t last = first + ROWS_PER_TASK < kn->n ? first + ROWS_PER_TASK : kn->n;
@@ -152,7 +129,11 @@ static void matmul_task(void* data, size_t task) {
         kn->group_dot(group, a, rows, (int)kn->k, y + col, kn->n);
         continue;
       }
-      uint8_t row[kn->row_bytes]; /* one row copied out of the group: K / 32 blocks, tens of kilobytes at most */
+      uint8_t* row = thread_scratch(SCRATCH_ROW, (size_t)kn->row_bytes); /* one row copied out of the group */
+      if (row == NULL) {
+        job->failed = 1;
+        return;
+      }
       for (int j = 0; j < GROUP; j++) {
         for (int64_t b = 0; b < kn->row_bytes / kn->format.block_bytes; b++) {
           memcpy(row + b * kn->format.block_bytes, group + (b * GROUP + j) * kn->format.block_bytes,
@@ -214,9 +195,10 @@ static OrtStatus* ORT_API_CALL matmul_compute(void* op_kernel, OrtKernelContext*
     for (int64_t r = 0; r < m; r++) quantize_task(&quantize, (size_t)r);
   }
   if (status != NULL) return status;
-  MatMulJob job = {kn, w.data, q, d, s, scaled, m, y};
+  MatMulJob job = {kn, w.data, q, d, s, scaled, m, y, 0};
   const size_t tasks = (size_t)((kn->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-  return api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job);
+  TRY(api->KernelContext_ParallelFor(context, matmul_task, tasks, 0, &job));
+  return job.failed ? api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory") : NULL;
 }
 
 /* ---- GgufGather ---------------------------------------------------------------------------------------------- */
@@ -270,10 +252,8 @@ static OrtStatus* ORT_API_CALL create_gather(const OrtCustomOp* op, const OrtApi
   return create(info, "GgufGather", 0, out);
 }
 
-static void ORT_API_CALL destroy(void* kernel) { free(kernel); }
 static const char* ORT_API_CALL matmul_name(const OrtCustomOp* op) { (void)op; return "GgufMatMul"; }
 static const char* ORT_API_CALL gather_name(const OrtCustomOp* op) { (void)op; return "GgufGather"; }
-static const char* ORT_API_CALL cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t ORT_API_CALL two(const OrtCustomOp* op) { (void)op; return 2; }
 static size_t ORT_API_CALL one(const OrtCustomOp* op) { (void)op; return 1; }
 static ONNXTensorElementDataType ORT_API_CALL matmul_input(const OrtCustomOp* op, size_t i) {
@@ -288,65 +268,14 @@ static ONNXTensorElementDataType ORT_API_CALL float_output(const OrtCustomOp* op
   (void)op, (void)i;
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return INPUT_OUTPUT_REQUIRED;
-}
-static OrtMemType ORT_API_CALL default_memory(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return OrtMemTypeDefault;
-}
-static int ORT_API_CALL arity_one(const OrtCustomOp* op) { (void)op; return 1; }
-static int ORT_API_CALL start_version(const OrtCustomOp* op) { (void)op; return 1; }
-static int ORT_API_CALL end_version(const OrtCustomOp* op) { (void)op; return 1 << 30; }
-
-static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*),
-                            ONNXTensorElementDataType (*input)(const OrtCustomOp*, size_t),
-                            OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
-                            OrtStatus* (*compute)(void*, OrtKernelContext*)) {
-  OrtCustomOp op;
-  memset(&op, 0, sizeof op);
-  op.version = API_VERSION; /* ORT reads no field added after it */
-  op.GetName = name;
-  op.GetExecutionProviderType = cpu;
-  op.GetInputType = input;
-  op.GetInputTypeCount = two;
-  op.GetOutputType = float_output;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy;
-  op.GetInputCharacteristic = required;
-  op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = arity_one;
-  op.GetVariadicInputHomogeneity = arity_one;
-  op.GetVariadicOutputMinArity = arity_one;
-  op.GetVariadicOutputHomogeneity = arity_one;
-  op.CreateKernelV2 = create;
-  op.KernelComputeV2 = compute;
-  op.GetStartVersion = start_version;
-  op.GetEndVersion = end_version;
-  return op;
-}
 
 static OrtCustomOp matmul_op, gather_op;
-static OrtCustomOpDomain* domain;
-static OrtStatus* domain_status;
-static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-static void make_domain(void) {
-  matmul_op = describe(matmul_name, matmul_input, create_matmul, matmul_compute);
-  gather_op = describe(gather_name, gather_input, create_gather, gather_compute);
-  domain_status = api->CreateCustomOpDomain("staticlm", &domain);
-  if (domain_status == NULL) domain_status = api->CustomOpDomain_Add(domain, &matmul_op);
-  if (domain_status == NULL) domain_status = api->CustomOpDomain_Add(domain, &gather_op);
-  if (domain_status == NULL) domain_status = add_attention_ops(domain);
-}
-
-__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
-                                                                                   const OrtApiBase* base) {
-  if (api == NULL) api = base->GetApi(API_VERSION);
-  if (api == NULL) return NULL; /* an ORT older than 1.17: the ops stay unregistered and the graph fails to load */
-  pthread_once(&once, make_domain);
-  if (domain_status != NULL) return api->CreateStatus(ORT_FAIL, api->GetErrorMessage(domain_status));
-  return api->AddCustomOpDomain(options, domain);
+OrtStatus* add_gguf_ops(OrtCustomOpDomain* domain) {
+  static const OpCallbacks matmul = {matmul_name, matmul_input, two, float_output, one, create_matmul, matmul_compute};
+  static const OpCallbacks gather = {gather_name, gather_input, two, float_output, one, create_gather, gather_compute};
+  describe_op(&matmul_op, &matmul);
+  describe_op(&gather_op, &gather);
+  TRY(api->CustomOpDomain_Add(domain, &matmul_op));
+  return api->CustomOpDomain_Add(domain, &gather_op);
 }
