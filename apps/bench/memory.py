@@ -43,6 +43,13 @@ def budget_note(*, peak: float, file_bytes: int, kv_bytes: int, file_name: str) 
             f"{limit / MB:.0f} MB: {verdict}")
 
 
+def mappings_note(mappings: dict[str, int]) -> str:
+    """The peak's largest mappings (worker.PeakMemory's mappings), e.g. "; at the peak: packed.bin 310 MB, ..."."""
+    if not mappings:
+        return ""
+    return "; at the peak: " + ", ".join(f"{name} {pss / MB:.0f} MB" for name, pss in mappings.items())
+
+
 def bench_memory(ctx: BenchContext) -> list[Row]:
     systems: dict[str, PeerModel] = {"staticlm": PeerModel(sys.executable, str(ctx.model_dir))}
     gguf = peer_gguf(ctx)
@@ -73,7 +80,7 @@ def bench_memory(ctx: BenchContext) -> list[Row]:
     file_bytes, file_name = model_file_bytes(ctx)
     ctx.extra["memory_raw"] = {"staticlm": ours, **results, "file_bytes": file_bytes}
     note = budget_note(peak=ours["peak_pss_bytes"], file_bytes=file_bytes, kv_bytes=ours["kv_bytes"],
-                       file_name=file_name)
+                       file_name=file_name) + mappings_note(ours.get("peak_mappings", {}))
     return [
         Row("memory.generate.pss", f"generate peak PSS, {ctx.prompt_len}-token prompt", "MB",
             ours["peak_pss_bytes"] / MB, higher_is_better=False, note=note,
@@ -87,4 +94,4 @@ def bench_memory(ctx: BenchContext) -> list[Row]:
     ]
 
 
-__all__ = ["bench_memory", "budget_note", "model_file_bytes"]
+__all__ = ["bench_memory", "budget_note", "mappings_note", "model_file_bytes"]
