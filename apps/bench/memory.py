@@ -24,11 +24,12 @@ FILE_FACTOR, RUNTIME_ALLOWANCE = 1.3, 300 * MB  # the budget: 1.3 x file + KV + 
 
 
 def model_file_bytes(ctx: BenchContext) -> tuple[int, str]:
-    """The source file's size (the GGUF peers run too), else the family's weight file's."""
+    """The source file's size (the GGUF peers run too) where the family reads its blocks (rows_alone: every linear
+    a GgufMatMul), else the family's own weight file's (a MatMulNBits family's containers are wider than the file)."""
     gguf = peer_gguf(ctx)
-    if gguf is not None:
-        return gguf.stat().st_size, gguf.name
     manifest = load_manifest(ctx.model_dir)
+    if gguf is not None and manifest.rows_alone:
+        return gguf.stat().st_size, gguf.name
     return (Path(ctx.model_dir) / manifest.weights_file).stat().st_size, manifest.weights_file
 
 
