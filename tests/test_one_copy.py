@@ -14,8 +14,8 @@ import onnx
 import pytest
 import tiny_archs
 from conftest import THREADS
-from gguf import GGUFReader
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
 from test_gguf_grids import quantizer
 
 from staticlm.runtime import kernels

@@ -113,10 +113,11 @@ def _load_rows(ctx: BenchContext, base: str, pid: int, *, clients: tuple[int, ..
                 + (f"; {r['tok_s'] / raw[clients[0]]['tok_s']:.2f}x one client" if c != clients[0] else "")
                 + f"; load {r['load_avg'][0]:.1f}")
         file_bytes, file_name = model_file_bytes(ctx)
+        budget = budget_note(peak=r["peak_pss_bytes"], file_bytes=file_bytes, kv_bytes=int(r["kv_bytes"]),
+                             file_name=file_name)
         rows += [Row(f"serve.c{c}.pss", f"serve, {c} clients: server peak PSS", "MB", r["peak_pss_bytes"] / 1e6,
-                     higher_is_better=False, note=budget_note(peak=r["peak_pss_bytes"], file_bytes=file_bytes,
-                                                              kv_bytes=int(r["kv_bytes"]), file_name=file_name)
-                     + f"; peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB" + mappings_note(memory.peak_mappings))] if PeakMemory.available() else []
+                     higher_is_better=False, note=budget + f"; peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB"
+                     + mappings_note(memory.peak_mappings))] if PeakMemory.available() else []
         ratio = r["ttft_p95_s"] / prefill["ttft_p50_s"]
         rows += [Row(f"serve.c{c}.tok_s", f"serve, {c} clients ({r['long_clients']} long): aggregate tok/s",
                      "tok/s", r["tok_s"], note=note),
