@@ -2,6 +2,7 @@
 and a machine short of memory is told before any session opens."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,11 @@ def test_sessions_read_the_packed_file_and_graphs_share_its_blobs(families):
     for path in store.glob("*.onnx"):
         model = onnx.load(str(path), load_external_data=False)
         external = _external(model)
-        assert {e["location"] for e in external.values()} == {PACKED_FILE}  # never weights.bin
+        # the store's own file, and the family's weights.bin itself (a hard link: one copy) for what ORT left as is
+        locations = {e["location"] for e in external.values()}
+        assert PACKED_FILE in locations and locations <= {PACKED_FILE, "weights.bin"}
+        if "weights.bin" in locations:
+            assert os.path.samefile(store / "weights.bin", family / "weights.bin")
         packed = {n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"}
         assert packed and all(any(k.startswith("prepacked") for k in external[name]) for name in packed), path
 
@@ -135,3 +140,52 @@ def test_a_machine_short_of_memory_is_told_before_any_session(families, monkeypa
     weights = load_manifest(families["gqa"]).weights_bytes
     assert "\n" not in message and "needs about" in message and f"{weights / 1e9:.2f} GB" in message
     assert not opened
+
+
+def _resident(path: Path) -> int:
+    """This process's resident bytes of its private mappings of path."""
+    from staticlm.apps.bench.mappings import by_mapping
+
+    return by_mapping(os.getpid()).get(str(path.resolve()), None).rss
+
+
+def test_pages_read_only_while_opening_are_given_back(tmp_path):
+    import mmap
+
+    from staticlm.runtime.session.read_once import drop_read_once
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(0).integers(0, 255, 64 * page, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        clean = mmap.mmap(f.fileno(), 32 * page, access=mmap.ACCESS_COPY)  # private, as ORT maps a tensor
+        written = mmap.mmap(f.fileno(), 32 * page, access=mmap.ACCESS_COPY, offset=32 * page)
+    sum(clean[i] for i in range(0, 32 * page, page))  # read every page
+    written[5] = (written[5] + 1) % 256  # a private copy of a page: this window must be kept as it is
+    before = _resident(path)
+    advised = drop_read_once(tmp_path, {"weights.bin": [(page + 7, 10 * page), (32 * page, 32 * page)]})
+    assert advised == 9 * page  # whole pages inside the first range; the written window untouched
+    assert before - _resident(path) == 9 * page
+    assert bytes(clean[:]) == data[:32 * page].tobytes()  # the pages fault back from the file, the same bytes
+    assert written[5] == (int(data[32 * page + 5]) + 1) % 256
+
+
+def test_a_family_gives_back_the_scales_its_packed_blobs_hold(families):
+    from staticlm.runtime.session.read_once import read_once_ranges
+
+    engine = Engine(families["gqa"], options=CPU)
+    engine.warm_up()
+    graph = _store(families["gqa"]) / "in_place.onnx"
+    model = onnx.load(str(graph), load_external_data=False)
+    external = _external(model)
+    ranges = read_once_ranges(graph)
+    offsets = {(Path(e["location"]).name, int(e.get("offset", 0))) for e in external.values()}
+    listed = {(name, offset) for name, spans in ranges.items() for offset, _ in spans}
+    assert listed <= offsets
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and node.input[2] in external:
+            scales = external[node.input[2]]
+            assert (Path(scales["location"]).name, int(scales.get("offset", 0))) in listed
+            assert not any(k.startswith("prepacked") for k in scales)  # never a packed blob
+    assert any(n.op_type == "MatMulNBits" for n in model.graph.node)

@@ -24,11 +24,12 @@ FILE_FACTOR, RUNTIME_ALLOWANCE = 1.3, 300 * MB  # the budget: 1.3 x file + KV + 
 
 
 def model_file_bytes(ctx: BenchContext) -> tuple[int, str]:
-    """The source file's size (the GGUF peers run too), else the family's weight file's."""
+    """The source file's size (the GGUF peers run too) where the family reads its blocks (rows_alone: every linear
+    a GgufMatMul), else the family's own weight file's (a MatMulNBits family's containers are wider than the file)."""
     gguf = peer_gguf(ctx)
-    if gguf is not None:
-        return gguf.stat().st_size, gguf.name
     manifest = load_manifest(ctx.model_dir)
+    if gguf is not None and manifest.rows_alone:
+        return gguf.stat().st_size, gguf.name
     return (Path(ctx.model_dir) / manifest.weights_file).stat().st_size, manifest.weights_file
 
 
@@ -41,6 +42,13 @@ def budget_note(*, peak: float, file_bytes: int, kv_bytes: int, file_name: str) 
     verdict = "within" if peak <= limit else f"over by {(peak - limit) / MB:.0f} MB"
     return (f"{file_name} {file_bytes / MB:.0f} MB, KV {kv_bytes / MB:.0f} MB; budget 1.3 x file + KV + 300 MB = "
             f"{limit / MB:.0f} MB: {verdict}")
+
+
+def mappings_note(mappings: dict[str, int]) -> str:
+    """The peak's largest mappings (worker.PeakMemory's mappings), e.g. "; at the peak: packed.bin 310 MB, ..."."""
+    if not mappings:
+        return ""
+    return "; at the peak: " + ", ".join(f"{name} {pss / MB:.0f} MB" for name, pss in mappings.items())
 
 
 def bench_memory(ctx: BenchContext) -> list[Row]:
@@ -73,7 +81,7 @@ def bench_memory(ctx: BenchContext) -> list[Row]:
     file_bytes, file_name = model_file_bytes(ctx)
     ctx.extra["memory_raw"] = {"staticlm": ours, **results, "file_bytes": file_bytes}
     note = budget_note(peak=ours["peak_pss_bytes"], file_bytes=file_bytes, kv_bytes=ours["kv_bytes"],
-                       file_name=file_name)
+                       file_name=file_name) + mappings_note(ours.get("peak_mappings", {}))
     return [
         Row("memory.generate.pss", f"generate peak PSS, {ctx.prompt_len}-token prompt", "MB",
             ours["peak_pss_bytes"] / MB, higher_is_better=False, note=note,
@@ -87,4 +95,4 @@ def bench_memory(ctx: BenchContext) -> list[Row]:
     ]
 
 
-__all__ = ["bench_memory", "budget_note", "model_file_bytes"]
+__all__ = ["bench_memory", "budget_note", "mappings_note", "model_file_bytes"]

@@ -13,7 +13,7 @@ import logging
 import numpy as np
 
 from .base import BenchContext, Row
-from .memory import budget_note, model_file_bytes
+from .memory import budget_note, mappings_note, model_file_bytes
 from .serve_load import (
     CLIENTS,
     NUM_TOKENS,
@@ -104,7 +104,7 @@ def _load_rows(ctx: BenchContext, base: str, pid: int, *, clients: tuple[int, ..
                      note=f"{prefill['prompt_tokens']} prompt tokens, {prefill['cached_tokens']} cached")], {}
     for c in clients:
         ctx.log(f"  {c} concurrent streaming client(s) x {max_tokens} tokens ...")
-        with PeakMemory(pid) as memory:
+        with PeakMemory(pid, mappings=True) as memory:
             raw[c] = r = run_clients(base, c, max_tokens=max_tokens, prompts=prompts)
         r["peak_pss_bytes"], r["peak_rss_bytes"] = memory.peak_pss, memory.peak_rss
         r["kv_bytes"] = _metric(base, "staticlm_kv_bytes")
@@ -113,10 +113,11 @@ def _load_rows(ctx: BenchContext, base: str, pid: int, *, clients: tuple[int, ..
                 + (f"; {r['tok_s'] / raw[clients[0]]['tok_s']:.2f}x one client" if c != clients[0] else "")
                 + f"; load {r['load_avg'][0]:.1f}")
         file_bytes, file_name = model_file_bytes(ctx)
+        budget = budget_note(peak=r["peak_pss_bytes"], file_bytes=file_bytes, kv_bytes=int(r["kv_bytes"]),
+                             file_name=file_name)
         rows += [Row(f"serve.c{c}.pss", f"serve, {c} clients: server peak PSS", "MB", r["peak_pss_bytes"] / 1e6,
-                     higher_is_better=False, note=budget_note(peak=r["peak_pss_bytes"], file_bytes=file_bytes,
-                                                              kv_bytes=int(r["kv_bytes"]), file_name=file_name)
-                     + f"; peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB")] if PeakMemory.available() else []
+                     higher_is_better=False, note=budget + f"; peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB"
+                     + mappings_note(memory.peak_mappings))] if PeakMemory.available() else []
         ratio = r["ttft_p95_s"] / prefill["ttft_p50_s"]
         rows += [Row(f"serve.c{c}.tok_s", f"serve, {c} clients ({r['long_clients']} long): aggregate tok/s",
                      "tok/s", r["tok_s"], note=note),

@@ -43,6 +43,12 @@ class Shape:
     rope_theta: float
     tied: bool
     context: int = 32768
+    head_dim: int | None = None  # None: hidden_size / num_heads
+    sliding_window: int = 0  # Gemma 3: its local layers' window (every sixth layer global, llama.cpp's default)
+
+    @property
+    def gemma(self) -> bool:
+        return self.arch == "gemma3"
 
 
 SHAPES = {
@@ -51,6 +57,8 @@ SHAPES = {
     "llama3.2-1b": Shape("llama", 16, 2048, 8192, 32, 8, 128256, 5e5, tied=True),
     "qwen2.5-3b": Shape("qwen2", 36, 2048, 11008, 16, 2, 151936, 1e6, tied=True),
     "llama3.2-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128256, 5e5, tied=True),
+    # 640 inputs are no multiple of 256: its tied table is Q8_0 and every 640-wide projection Q5_0 (FALLBACK)
+    "gemma3-270m": Shape("gemma3", 18, 640, 2048, 4, 1, 262144, 1e6, tied=True, head_dim=256, sliding_window=512),
 }
 
 
@@ -99,7 +107,7 @@ def _vocabulary(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
 
 def write_synthetic_gguf(path: Path, shape: Shape, *, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
-    s, head_dim = shape, shape.hidden_size // shape.num_heads
+    s, head_dim = shape, shape.head_dim or shape.hidden_size // shape.num_heads
     w = GGUFWriter(str(path), s.arch)
     w.add_name(f"synthetic {s.arch} ({s.num_layers} layers, hidden {s.hidden_size}), random Q4_K_M")
     w.add_block_count(s.num_layers)
@@ -111,6 +119,11 @@ def write_synthetic_gguf(path: Path, shape: Shape, *, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(s.rope_theta)
     w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    if s.head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
     tokens, types, merges = _vocabulary(s.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if s.arch == "qwen2" else "llama-bpe")
@@ -136,6 +149,11 @@ def write_synthetic_gguf(path: Path, shape: Shape, *, seed: int = 0) -> Path:
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", s.hidden_size)
         vector(p + "ffn_norm.weight", s.hidden_size)
+        if s.gemma:  # the sandwich norms and the per-head q/k norms
+            vector(p + "post_attention_norm.weight", s.hidden_size)
+            vector(p + "post_ffw_norm.weight", s.hidden_size)
+            vector(p + "attn_q_norm.weight", head_dim)
+            vector(p + "attn_k_norm.weight", head_dim)
         for kind, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
             matrix(p + kind + ".weight", kind, rows, s.hidden_size, layer=i)
             if s.arch == "qwen2":

@@ -40,6 +40,15 @@ def rope_suffix(kv_dtype: str) -> str:
     return "_f16" if kv_dtype == "float16" else ""
 
 
+def rope_table_type(config: ModelConfig, options) -> tuple[str, np.dtype]:
+    """The one form of the cos/sin tables the graph reads (name suffix, type): GroupQueryAttention's own RoPE in its
+    cache's type (op_rotates), else RotaryEmbedding's (before GroupQueryAttention or staticlm's attention) in
+    float32. options: the family's CpuOptions."""
+    if op_rotates(config) and not options.staticlm_attention:
+        return rope_suffix(options.kv_dtype), np.dtype(options.kv_dtype)
+    return "", np.dtype(np.float32)
+
+
 def rope_tables(config: ModelConfig, *, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_positions, R/2]: GroupQueryAttention's caches (HF's rotate_half pairs i and i + R/2 of the
     first R = rope_dims dims; longrope's attention factor included); local: the local layers' RoPE base."""
@@ -57,7 +66,7 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     local = c.is_local(layer)
     suffix = LOCAL if local else ""
     # the op's own RoPE computes in its cache's type; RotaryEmbedding before it (op_rotates) in float32
-    tables = suffix + (rope_suffix(graph.options.kv_dtype) if op_rotates(c) else "")
+    tables = suffix + rope_table_type(c, graph.options)[0]
     rope_cos, rope_sin = g.weight(ROPE_COS + tables), g.weight(ROPE_SIN + tables)
     window = {"local_window_size": c.local_window} if local else {}  # the keys a query sees, itself included
     qkv = graph.linear(x, f"l{layer}.qkv")  # [B, AR, (H + 2 Hkv) D]

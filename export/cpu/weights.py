@@ -16,7 +16,7 @@ from staticlm.export.sources.gguf_grids import FloatWeight, WeightGrid
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.config import ModelConfig
 
-from .gqa import LOCAL, ROPE_COS, ROPE_SIN, op_rotates, rope_suffix, rope_tables
+from .gqa import LOCAL, ROPE_COS, ROPE_SIN, rope_table_type, rope_tables
 from .linears import (
     OFFSET_BLOCK,
     LinearPlan,
@@ -75,14 +75,11 @@ def write_cpu_weights(config: ModelConfig, model, writer: WeightFileWriter, opti
     else:
         linear(EMBED, ["model.embed_tokens.weight"], head=True)
     if options.attention is CpuAttention.GQA:  # [max_positions, D/2], shared by every graph and layer
-        types = {"": np.float32}
-        if op_rotates(config):  # GroupQueryAttention's own RoPE reads its tables in its cache's type
-            types[rope_suffix(options.kv_dtype)] = np.dtype(options.kv_dtype)
+        suffix, dtype = rope_table_type(config, options)  # the one form the graph reads
         for local in (False, True) if config.local_layers else (False,):  # the local layers' own RoPE base
             cos, sin = rope_tables(config, local=local)
-            for suffix, dtype in types.items():
-                writer.add(ROPE_COS + (LOCAL if local else "") + suffix, cos.astype(dtype))
-                writer.add(ROPE_SIN + (LOCAL if local else "") + suffix, sin.astype(dtype))
+            writer.add(ROPE_COS + (LOCAL if local else "") + suffix, cos.astype(dtype))
+            writer.add(ROPE_SIN + (LOCAL if local else "") + suffix, sin.astype(dtype))
     return plans
 
 

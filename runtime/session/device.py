@@ -17,6 +17,7 @@ from staticlm.runtime import kernels
 from staticlm.runtime.family.manifest import Manifest, read_manifest
 from staticlm.runtime.session import qnn_context
 from staticlm.runtime.session.prepacked import prepared_graph
+from staticlm.runtime.session.read_once import drop_read_once, read_once_ranges
 
 QNN_EP = "QNNExecutionProvider"
 # SM8650 (Snapdragon 8 Gen 3); the x86_64 HTP emulator needs an explicit SoC to finalize graphs.
@@ -303,6 +304,9 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
         # Prepacking would give every session its own repacked copy of each weight (the whole model again, per session).
         so.add_session_config_entry("session.disable_prepacking", "1")
     try:
-        return ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 -- ORT's errors derive from Exception alone
         raise DeviceError(f"ONNX Runtime could not load {path.name}: {str(e).splitlines()[0][:300]}") from None
+    if packed is not None:  # the scales its packed blobs now hold: read while opening, not after
+        drop_read_once(packed.directory, read_once_ranges(path))
+    return session

@@ -6,7 +6,13 @@ beside the mapped weight file. Instead, each graph is optimized once per machine
 packed weights written out (`session.save_external_prepacked_constant_initializers`), and every tensor and packed
 blob of every graph is stored once, by content, in one file (`packed.bin`). Sessions load the rewritten graphs:
 ORT maps that file instead of packing, so the weights live in the page cache, shared by every session of every
-process, and `weights.bin` is not read at all.
+process.
+
+A tensor ORT left as the family wrote it and does not pack (every GGUF block matrix the kernels read, norms,
+tables) is not copied: the rewritten graph points at the family's weight file itself, through a hard link in the
+store (ORT refuses external data outside the graph's directory, a symbolic link included), so those weights are on
+disk and in memory once. Where no hard link can be made (another file system), the store copies them. A packed
+tensor is copied beside its blobs (ORT reads both from one file); its own bytes are not read once its blob is.
 
 The optimizing runs in a child process (`python -m staticlm.runtime.session.prepacked`), so the packing pass's transient
 copy of the weights never counts in the caller's memory.
@@ -67,6 +73,45 @@ def _locked(directory: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _key(data: memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=20).hexdigest() + f":{len(data)}"
+
+
+class _Source:
+    """The source graph's weight files, hard-linked into the store, and each of its tensors by content:
+    key -> (linked file name, offset, length)."""
+
+    def __init__(self, graph: Path, directory: Path) -> None:
+        self.tensors: dict[str, tuple[str, int, int]] = {}
+        model = onnx.load(str(graph), load_external_data=False)
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                entries = {e.key: e.value for e in tensor.external_data}
+                by_file.setdefault(entries["location"], []).append((int(entries.get("offset", 0)),
+                                                                    int(entries["length"])))
+        for location, ranges in by_file.items():
+            if not _linked(graph.parent / location, directory / Path(location).name):
+                continue
+            with open(directory / Path(location).name, "rb") as f, \
+                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                for offset, length in ranges:
+                    key = _key(memoryview(data)[offset:offset + length])
+                    self.tensors.setdefault(key, (Path(location).name, offset, length))
+
+
+def _linked(source: Path, link: Path) -> bool:
+    """link is source's own file (a hard link made now if missing); False where none can be made."""
+    try:
+        if link.exists() and os.path.samefile(source, link):
+            return True
+        link.unlink(missing_ok=True)
+        os.link(source, link)
+        return True
+    except OSError:
+        return False
+
+
 class _Store:
     """packed.bin, append-only (mapped regions of running sessions never change), indexed by content hash."""
 
@@ -80,7 +125,7 @@ class _Store:
         self.file = open(directory / PACKED_FILE, "ab")
 
     def put(self, data: memoryview) -> tuple[int, int]:
-        key = hashlib.blake2b(data, digest_size=20).hexdigest() + f":{len(data)}"
+        key = _key(data)
         if key not in self.index:
             end = self.file.seek(0, os.SEEK_END)
             align = PAGE if len(data) >= PAGE else SMALL_ALIGN
@@ -100,12 +145,20 @@ class _Store:
         tmp.replace(self.index_path)
 
 
-def _rewrite(tensor: onnx.TensorProto, data: mmap.mmap, store: _Store) -> None:
-    """Point an external tensor and its packed blobs (`prepacked_N`: key|offset;length;checksum|...) into the store."""
+def _rewrite(tensor: onnx.TensorProto, data: mmap.mmap, store: _Store, source: _Source) -> None:
+    """Point an external tensor and its packed blobs (`prepacked_N`: key|offset;length;checksum|...) into the store,
+    the tensor itself into the source's weight file where it has the same bytes there."""
     entries = {e.key: e.value for e in tensor.external_data}
     offset, length = int(entries.get("offset", 0)), int(entries["length"])
-    new = {"location": PACKED_FILE}
-    new["offset"], new["length"] = (str(v) for v in store.put(memoryview(data)[offset:offset + length]))
+    own = memoryview(data)[offset:offset + length]
+    # ORT reads a tensor's packed blobs from its own file: a packed tensor stays beside them, in the store
+    packed = any(key.startswith("prepacked") for key in entries)
+    linked = None if packed else source.tensors.get(_key(own))
+    if linked is not None:
+        new = {"location": linked[0], "offset": str(linked[1]), "length": str(linked[2])}
+    else:
+        new = {"location": PACKED_FILE}
+        new["offset"], new["length"] = (str(v) for v in store.put(own))
     for key, value in entries.items():
         if key.startswith("prepacked"):
             name, *blobs = value.split("|")
@@ -135,11 +188,11 @@ def _optimize(graph: Path, out_dir: Path) -> None:
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
         ort.InferenceSession(str(graph), sess_options=so, providers=["CPUExecutionProvider"])
         model = onnx.load(str(optimized), load_external_data=False)
-        store = _Store(out_dir)
+        store, source = _Store(out_dir), _Source(graph, out_dir)
         with open(Path(tmp) / "data.bin", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             for tensor in model.graph.initializer:
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                    _rewrite(tensor, data, store)
+                    _rewrite(tensor, data, store, source)
         store.close()
         written = Path(tmp) / "model.onnx"
         onnx.save_model(model, str(written))
@@ -147,14 +200,23 @@ def _optimize(graph: Path, out_dir: Path) -> None:
 
 
 def _is_current(out: Path, source_sha256: str) -> bool:
-    """Whether out is complete for this source: its stamp (written last) names the source graph's hash and the
-    store's size then, which the store still has (a store cut short or removed is rebuilt)."""
+    """Whether out is complete for this source: its stamp (written last) names the source graph's hash, the
+    store's size then, which the store still has, and the linked weight files it reads, which are still there (a
+    store cut short or removed is rebuilt)."""
     stamp = out.with_suffix(".source")
     try:
-        sha, size = stamp.read_text().split()
-        return sha == source_sha256 and out.is_file() and packed_bytes(out.parent) >= int(size)
+        sha, size, *links = stamp.read_text().split()
+        return (sha == source_sha256 and out.is_file() and packed_bytes(out.parent) >= int(size)
+                and all((out.parent / link).is_file() for link in links))
     except (OSError, ValueError):
         return False
+
+
+def _linked_files(graph: Path) -> list[str]:
+    """The files graph's tensors are read from, other than the store's own."""
+    model = onnx.load(str(graph), load_external_data=False)
+    return sorted({e.value for t in model.graph.initializer for e in t.external_data
+                   if e.key == "location" and e.value != PACKED_FILE})
 
 
 def prepared_graph(graph: Path, *, source_sha256: str, directory: Path) -> Path:
@@ -166,7 +228,8 @@ def prepared_graph(graph: Path, *, source_sha256: str, directory: Path) -> Path:
         if not _is_current(out, source_sha256):
             subprocess.run([sys.executable, "-m", __name__, str(graph), str(directory)], check=True,
                            stdout=subprocess.DEVNULL)
-            out.with_suffix(".source").write_text(f"{source_sha256} {packed_bytes(directory)}")
+            links = " ".join(_linked_files(out))
+            out.with_suffix(".source").write_text(f"{source_sha256} {packed_bytes(directory)} {links}".strip())
     return out
 
 
