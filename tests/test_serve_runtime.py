@@ -361,7 +361,8 @@ def test_clients_alternating_system_prompts_each_find_theirs_in_a_row_with_the_c
     reference, served = _open(in_place_family), _open(in_place_family)
     tok = reference.tokenizer
     header = "<system> "
-    systems = [header + "You sort apples by colour and weight. " * 4, header + "Bikes get new spokes, then brakes. " * 4]
+    systems = [header + "You sort apples by colour and weight. " * 4,
+               header + "Bikes get new spokes, then brakes. " * 4]
     turns = [(k % 2, f"{systems[k % 2]}<user> question {k}?") for k in range(6)]
     params = GenerationParams(max_new_tokens=6, ignore_eos=True)
     loop = served.open_loop(eager=True)
