@@ -381,3 +381,38 @@ def test_clients_alternating_system_prompts_each_find_theirs_in_a_row_with_the_c
         assert admitted.num_cached_tokens >= (num_system if k >= 2 else 0), k
     assert loop.status()["cached_rows"] == 2  # a row per client: a turn overwrites the row its prompt repeats
     assert loop.status()["rows_in_use"] == 0
+
+
+@pytest.mark.skipif(not __import__("staticlm.runtime.kernels", fromlist=["x"]).available(),
+                    reason="idle rows are skipped by staticlm's attention op, whose kernels are not built here")
+def test_an_idle_row_holding_a_cached_prefix_is_neither_read_nor_written_by_a_decode_step(tiny_hf_dir, tmp_path):
+    """The prompt cache keeps a prefix in each free row: a batch step of the other rows must not attend over it
+    (its KV is poisoned here: reading it would make that row's logits NaN) nor write into its buffer."""
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.options import CpuOptions
+    from staticlm.export.family import ExportOptions
+    from staticlm.export.sources import load_model
+
+    family = tmp_path / "family"
+    export_cpu_family(load_model(tiny_hf_dir), family, cpu=CpuOptions(staticlm_attention=True),
+                      options=ExportOptions(contexts=(128,), prefill_len=16, verify_lens=(4,), batch_sizes=(4,)))
+    model = _open(family)
+    loop = model.open_loop(eager=True)
+    rows, lane = loop.rows.engine, loop.lane
+    tok = model.tokenizer
+    active, tokens = np.array([True, False, False, False]), np.full(4, tok.encode("a")[0], np.int64)
+    lane.append_tokens(tok.encode("The cat sat on the mat and looked around", add_special_tokens=False))
+    for r in (1, 2, 3):  # a cached prefix in each idle row, its rows poisoned
+        rows.load_row(r, lane.engine)
+    for buffer in rows.kv.buffers():
+        buffer[1:] = np.nan
+    before = [b.copy() for b in rows.kv.buffers()]
+    lane.reset()
+    lane.append_tokens(tok.encode("zz top", add_special_tokens=False))
+    rows.load_row(0, lane.engine)
+    want = [lane.engine.decode(int(tokens[0]))]  # the active row alone, on the lane
+    got = [rows.decode_batch(tokens, active=active)]
+    assert np.isfinite(got[0]).all()  # the idle rows' attention read nothing (their outputs are zeros)
+    np.testing.assert_allclose(got[0][0], want[0], rtol=1e-4, atol=1e-4)
+    for b, a in zip(rows.kv.buffers(), before):
+        np.testing.assert_array_equal(b[1:], a[1:])  # nothing written into an idle row (NaN == NaN here)
