@@ -63,7 +63,10 @@ def test_prompt_cache_finds_the_longest_prefix_and_evicts_least_recently_used():
     assert c.longest([5], rows=[0, 1, 2]) == (None, 0)
     assert c.victims(1, free=[0, 1, 2]) == [2]  # the empty row first
     assert c.victims(2, free=[0, 1]) == [0, 1]  # then the least recently used
-    assert c.victims(1, free=[0, 1, 2], prefer=1) == [1]  # the row a prompt reuses is overwritten in place
+    assert c.victims(1, free=[0, 1, 2], prompt=[1, 2, 9, 5]) == [1]  # a row the prompt repeats: overwritten
+    assert c.victims(1, free=[0, 1, 2], prompt=[1, 5]) == [2]  # one it shares a token with keeps its prefix
+    c.touch(0)  # row 0's prefix served a prompt: row 1 is now the least recently used
+    assert c.victims(1, free=[0, 1]) == [1]
     c.forget(0)
     assert c.num_cached_rows == 1
 
@@ -347,3 +350,69 @@ def test_a_decode_step_checks_a_looked_up_guess_in_the_row_beside_its_token(in_p
     stats = paired.generator.speculator.stats
     assert stats.num_accepted > 0 and stats.num_drafted <= stats.num_steps  # one guess a step at most
     assert paired.engine.counters.num_verify_rows == 2 * paired.engine.counters.num_verify_steps  # exactly 2 rows
+
+
+def test_clients_alternating_system_prompts_each_find_theirs_in_a_row_with_the_cold_answers(in_place_family):
+    """Two clients take turns (A, B, A, B, A, B), each request alone: their system prompts share only a short
+    header (a chat template's), and each finds its own in a row of the prompt cache."""
+    from staticlm.runtime.generate.sequence_request import Admitted, Finished, SequenceRequest
+    from staticlm.runtime.generate.text_stream import GenerationParams
+
+    reference, served = _open(in_place_family), _open(in_place_family)
+    tok = reference.tokenizer
+    header = "<system> "
+    systems = [header + "You sort apples by colour and weight. " * 4,
+               header + "Bikes get new spokes, then brakes. " * 4]
+    turns = [(k % 2, f"{systems[k % 2]}<user> question {k}?") for k in range(6)]
+    params = GenerationParams(max_new_tokens=6, ignore_eos=True)
+    loop = served.open_loop(eager=True)
+    for k, (who, text) in enumerate(turns):
+        ids = tok.encode(text, add_special_tokens=False)
+        reference.generator.reset()
+        want = reference.generate(ids, params).token_ids
+        events: list = []
+        loop.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=events.append))
+        while loop.step():
+            pass
+        [admitted] = [e for e in events if isinstance(e, Admitted)]
+        [done] = [e for e in events if isinstance(e, Finished)]
+        assert list(done.token_ids) == want, k
+        num_system = len(tok.encode(systems[who], add_special_tokens=False))
+        assert admitted.num_cached_tokens >= (num_system if k >= 2 else 0), k
+    assert loop.status()["cached_rows"] == 2  # a row per client: a turn overwrites the row its prompt repeats
+    assert loop.status()["rows_in_use"] == 0
+
+
+@pytest.mark.skipif(not __import__("staticlm.runtime.kernels", fromlist=["x"]).available(),
+                    reason="idle rows are skipped by staticlm's attention op, whose kernels are not built here")
+def test_an_idle_row_holding_a_cached_prefix_is_neither_read_nor_written_by_a_decode_step(tiny_hf_dir, tmp_path):
+    """The prompt cache keeps a prefix in each free row: a batch step of the other rows must not attend over it
+    (its KV is poisoned here: reading it would make that row's logits NaN) nor write into its buffer."""
+    from staticlm.export.cpu.family import export_cpu_family
+    from staticlm.export.cpu.options import CpuOptions
+    from staticlm.export.family import ExportOptions
+    from staticlm.export.sources import load_model
+
+    family = tmp_path / "family"
+    export_cpu_family(load_model(tiny_hf_dir), family, cpu=CpuOptions(staticlm_attention=True),
+                      options=ExportOptions(contexts=(128,), prefill_len=16, verify_lens=(4,), batch_sizes=(4,)))
+    model = _open(family)
+    loop = model.open_loop(eager=True)
+    rows, lane = loop.rows.engine, loop.lane
+    tok = model.tokenizer
+    active, tokens = np.array([True, False, False, False]), np.full(4, tok.encode("a")[0], np.int64)
+    lane.append_tokens(tok.encode("The cat sat on the mat and looked around", add_special_tokens=False))
+    for r in (1, 2, 3):  # a cached prefix in each idle row, its rows poisoned
+        rows.load_row(r, lane.engine)
+    for buffer in rows.kv.buffers():
+        buffer[1:] = np.nan
+    before = [b.copy() for b in rows.kv.buffers()]
+    lane.reset()
+    lane.append_tokens(tok.encode("zz top", add_special_tokens=False))
+    rows.load_row(0, lane.engine)
+    want = [lane.engine.decode(int(tokens[0]))]  # the active row alone, on the lane
+    got = [rows.decode_batch(tokens, active=active)]
+    assert np.isfinite(got[0]).all()  # the idle rows' attention read nothing (their outputs are zeros)
+    np.testing.assert_allclose(got[0][0], want[0], rtol=1e-4, atol=1e-4)
+    for b, a in zip(rows.kv.buffers(), before):
+        np.testing.assert_array_equal(b[1:], a[1:])  # nothing written into an idle row (NaN == NaN here)

@@ -304,3 +304,30 @@ def test_a_snapshot_copies_rows_that_are_a_view_of_the_live_cache(in_place_famil
     [(got_ids, got)] = _store(model, tmp_path).load()
     assert got_ids == ids
     np.testing.assert_array_equal(got, kv)
+
+
+def test_clients_alternating_system_prompts_hit_their_rows_and_a_restart_loads_each_row(in_place_family, tmp_path):
+    """A, B, A, B through the server, each alone: the third and fourth find their system prompts in the rows, and
+    --cache-dir saves each row's prefix, so a restarted server answers both from the cache with the same text."""
+    import httpx
+    from serve_helpers import running_server, wait_idle
+
+    systems = {"A": "You sort apples by colour and weight. " * 4, "B": "Bikes get new spokes, then brakes. " * 4}
+
+    def ask(base: str, who: str, turn: int) -> tuple[str, int]:
+        body = {"model": "family", "max_tokens": 5, "temperature": 0, "messages": [
+            {"role": "system", "content": systems[who]}, {"role": "user", "content": f"question {turn}?"}]}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
+        return r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cache = tmp_path / "cache"
+    with running_server(in_place_family, "--cache-dir", str(cache)) as base:
+        first = [ask(base, who, turn) for turn, who in enumerate("ABAB")]
+        wait_idle(base, until=lambda h: h["cached_rows"] >= 2)
+    with running_server(in_place_family, "--cache-dir", str(cache)) as base:
+        again = [ask(base, who, turn) for turn, who in enumerate("ABAB")]
+    num_system = min(len(s) for s in systems.values())  # the tiny tokenizer: a token a byte, at least
+    assert all(c < num_system for _, c in first[:2]) and all(c >= num_system for _, c in first[2:])
+    assert len(list(cache.glob("*.slot"))) >= 2
+    assert all(c >= num_system for _, c in again)
+    assert [t for t, _ in again] == [t for t, _ in first]

@@ -130,10 +130,10 @@ class Engine:
         """Rows cached (the longest sequence's, in a batch)."""
         return int(self.kv.lengths.max())
 
-    def _run(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
+    def _run(self, entry: GraphEntry, tokens: np.ndarray, *, active: np.ndarray | None = None) -> np.ndarray:
         """Run AR rows (n <= AR real ones per sequence, the rest padding) without committing; logits [B, AR, V].
 
-        tokens: [n] for one sequence or [B, n].
+        tokens: [n] for one sequence or [B, n]; active [B]: the rows whose attention runs (Runner.run), None: all.
         """
         num_real = tokens.shape[-1]
         self.kv.prepare(past_len=entry.shape.past_len, ar=entry.shape.ar)
@@ -142,7 +142,7 @@ class Engine:
         # Padding rows repeat the last real token. Never id 0: SmolLM2's <|endoftext|> carries massive
         # activations wherever it is, and calibration must see what runs.
         runner.input_ids[:, num_real:] = runner.input_ids[:, num_real - 1:num_real]
-        return runner.run(self.kv, num_real=num_real)
+        return runner.run(self.kv, num_real=num_real, active=active)
 
     def _step(self, entry: GraphEntry, tokens: np.ndarray) -> np.ndarray:
         """Run and commit every real row; the last real token's logits [V]."""
@@ -287,16 +287,19 @@ class Engine:
         t0 = time.perf_counter()
         steps_back = self._row_steps  # [B] 1 for an active row
         np.copyto(steps_back, active)
+        # An idle row may hold a cached prefix (the prompt cache's): staticlm's attention skips it, where every
+        # other attention reads all its rows; the linears run every row either way
+        attending = active if self.manifest.exact_attention else None
         if previous is not None and self.pairs_rows and self.kv.can_rewind(steps_back):
             self.kv.rewind(steps_back)
             self._pair_tokens[:, 0], self._pair_tokens[:, 1] = previous, token_ids  # [B, 2]
-            logits = self._run(self.graphs.rows_entry(2), self._pair_tokens)
+            logits = self._run(self.graphs.rows_entry(2), self._pair_tokens, active=attending)
             steps_back *= 2
             self.kv.advance(steps_back)
             self.counters.num_paired_steps += 1
         else:
             logits = self._run(self.graphs.rung(self.graphs.decode, self.num_cached),
-                               token_ids.reshape(self.batch, 1))
+                               token_ids.reshape(self.batch, 1), active=attending)
             self.kv.advance(steps_back)
         self.counters.num_decode_steps += 1
         self.counters.decode_seconds += time.perf_counter() - t0

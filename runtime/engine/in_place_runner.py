@@ -73,28 +73,41 @@ class InPlaceRunner:
         """A layer-group part's residual stream at its cuts (runner.PartRunner)."""
         bind_hidden(self._binding, self.entry, arrays)
 
-    def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
+    def run(self, kv: KVCache, *, num_real: int, active: np.ndarray | None = None) -> np.ndarray:
+        """active [B]: only these rows attend (a graph of staticlm's CachedAttention, whose rows of 0 query
+        length neither write nor read a row); None: every row."""
+        self._set_rows(lengths=kv.lengths, positions=kv.positions, num_real=num_real, active=active)
         if self._local:
-            np.add(kv.local_lengths, num_real - 1, out=self.seqlens_k_local)
+            np.add(kv.local_lengths, self.query_lengths, out=self.seqlens_k_local)
+            self.seqlens_k_local -= 1
             self.total_length_local[...] = max(int(kv.local_lengths.max()) + num_real, self.shape.ar)
-        return self.run_rows(kv, lengths=kv.lengths, positions=kv.positions, num_real=num_real)
+        return self._run_bound(kv)
 
     def run_rows(self, kv: KVCache, *, lengths: np.ndarray, positions: np.ndarray, num_real: int) -> np.ndarray:
         """Run with the new rows at row lengths[b] (position positions[b]) of kv's buffers, whatever kv's own
         lengths: a KV-Runahead worker writes its chunk's rows there (runtime/engine/runahead.py)."""
         self._set_rows(lengths=lengths, positions=positions, num_real=num_real)
+        return self._run_bound(kv)
+
+    def _run_bound(self, kv: KVCache) -> np.ndarray:
         self._bind_buffers(kv)
         self._binding.run()
         return self.logits
 
-    def _set_rows(self, *, lengths: np.ndarray, positions: np.ndarray, num_real: int) -> None:
-        """lengths [B] rows cached before the step, positions [B] the absolute position of the first new row."""
+    def _set_rows(self, *, lengths: np.ndarray, positions: np.ndarray, num_real: int,
+                  active: np.ndarray | None = None) -> None:
+        """lengths [B] rows cached before the step, positions [B] the absolute position of the first new row,
+        active [B] the rows that run (None: all)."""
         np.add(positions[:, None], self._row_offsets, out=self.position_ids)
         np.minimum(self.position_ids, self._max_position, out=self.position_ids)
-        self.query_lengths[:] = num_real
+        if active is None:
+            self.query_lengths[:] = num_real
+        else:  # an idle row (a free one holding a cached prefix) attends to nothing: its rows are not read
+            np.multiply(active, num_real, out=self.query_lengths, casting="unsafe")
         if self._last_row_only and self.logits_index is not None:
             np.add(self._first_rows, num_real - 1, out=self.logits_index)
-        np.add(lengths, num_real - 1, out=self.seqlens_k)
+        np.add(lengths, self.query_lengths, out=self.seqlens_k)
+        self.seqlens_k -= 1
         self.total_length[...] = max(int(lengths.max()) + num_real, self.shape.ar)
 
     def _bind_buffers(self, kv: KVCache) -> None:

@@ -52,9 +52,9 @@ class ChainRunner:
         for part in parts:
             part.bind_hidden(self.hidden)
 
-    def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
+    def run(self, kv: KVCache, *, num_real: int, active: np.ndarray | None = None) -> np.ndarray:
         for part in self.parts:
-            logits = part.run(kv, num_real=num_real)
+            logits = part.run(kv, num_real=num_real, active=active)
         return logits
 
 

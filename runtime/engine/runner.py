@@ -32,9 +32,10 @@ class Runner(Protocol):
     shape: GraphShape
     input_ids: np.ndarray  # [B, AR] the engine writes the step's tokens here, padding included
 
-    def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
+    def run(self, kv: KVCache, *, num_real: int, active: np.ndarray | None = None) -> np.ndarray:
         """Write the step's other host inputs from kv, bind its KV, run; logits [B, AR, V] ([B, 1, V] for a
-        graph that scores its last real row only), an array the next run overwrites."""
+        graph that scores its last real row only), an array the next run overwrites. active [B]: the rows whose
+        attention runs (staticlm's CachedAttention skips the others: no row written, none read); None: all."""
         ...
 
 

@@ -99,8 +99,9 @@ class WindowRunner:
         """A layer-group part's residual stream at its cuts (runner.PartRunner)."""
         bind_hidden(self._binding, self.entry, arrays)
 
-    def run(self, kv: KVCache, *, num_real: int) -> np.ndarray:
-        """num_real is not needed: padding rows attend causally like real ones and only their logits differ."""
+    def run(self, kv: KVCache, *, num_real: int, active: np.ndarray | None = None) -> np.ndarray:
+        """num_real is not needed: padding rows attend causally like real ones and only their logits differ
+        (active neither: every row attends)."""
         past_len, ar = self.shape.past_len, self.shape.ar
         np.add(kv.positions[:, None], self._row_offsets, out=self._positions)
         self._rope.fill(self._positions, cos_out=self.rope_cos, sin_out=self.rope_sin)

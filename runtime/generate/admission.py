@@ -66,7 +66,6 @@ class Admission:
     num_rows: int
     todo: list[int] | None = None
     num_cached: int = 0
-    source_row: int | None = None  # the row whose cached prefix it took (its rows start there: overwritten in place)
     num_overtaken: int = 0  # prompts admitted after it that were prefilled before it (next_prefill)
     parked_row: int | None = None  # set aside: the free row its prompt so far waits in (the prompt cache's)
     size: int | None = None  # while it waits: its tokens to prefill (before it starts, _num_to_prefill's guess)
@@ -139,7 +138,7 @@ class Admissions:
                 if adm.parked_row is not None:
                     adm.todo = self._take_back(adm)
                 else:
-                    adm.todo, adm.num_cached, adm.source_row = self._start(adm.request)
+                    adm.todo, adm.num_cached = self._start(adm.request)
             take = min(len(adm.todo), self.max_prefill_tokens)
             take -= take > 2 and len(adm.todo) - take == 1  # leave no lone row for last (Engine.pairs_rows)
             self.lane.append_tokens(adm.todo[:take])
@@ -207,7 +206,7 @@ class Admissions:
         num_in_row = min(common_prefix(self.cache.tokens(row), ids), len(ids) - 1)
         if num_in_row > common_prefix(lane.tokens, ids):
             lane.adopt(self.rows.engine, row=row, token_ids=ids[:num_in_row])
-        adm.parked_row, adm.source_row = None, row  # its rows start there (overwritten in place)
+        adm.parked_row = None  # its rows start there (PromptCache.victims: the row its prompt repeats)
         return lane.sync_prefix(list(ids))
 
     def _num_to_prefill(self, ids: list[int]) -> int:
@@ -217,7 +216,7 @@ class Admissions:
             cached = max(cached, self.cache.longest(ids, rows=self.scheduler.free_rows())[1])
         return len(ids) - min(cached, len(ids) - 1)
 
-    def _start(self, request: SequenceRequest) -> tuple[list[int], int, int | None]:
+    def _start(self, request: SequenceRequest) -> tuple[list[int], int]:
         """Rewind the lane to the longest cached prefix of the prompt (its own, or a row's copied in once)."""
         ids, lane, source = request.prompt_ids, self.lane, None
         if self.rows.segment is not None and not extends(ids, self.rows.segment):  # _admissible_on_segment's rule
@@ -231,14 +230,17 @@ class Admissions:
                 n = 0 if seq.solo else common_prefix(seq.request.prompt_ids + seq.stream.ids[:seq.num_fed], ids)
                 if n > num_in_row:
                     source, num_in_row = r, n
-            if source is not None and num_in_row > common_prefix(lane.tokens, ids):
+            num_on_lane = common_prefix(lane.tokens, ids)
+            if source is not None and num_in_row > num_on_lane:
                 lane.adopt(self.rows.engine, row=source, token_ids=ids[:min(num_in_row, len(ids) - 1)])
+            if source is not None and num_in_row >= num_on_lane:
+                self.cache.touch(source)  # its prefix serves this prompt: the last row LRU evicts
         todo = lane.sync_prefix(list(ids))
         num_cached = len(ids) - len(todo)
         self.cache.record(num_cached=num_cached)
         request.on_event(Admitted(num_prompt_tokens=len(ids), num_cached_tokens=num_cached,
                                   time=time.perf_counter()))
-        return todo, num_cached, source
+        return todo, num_cached
 
     def place(self, adm: Admission) -> tuple[list[int], list[RunningSequence]]:
         """The prefilled request's choices take their rows (the lane's KV loaded into them, unless one choice runs
@@ -249,7 +251,7 @@ class Admissions:
         solo = on_lane or (adm.num_rows == 1 and not self.scheduler.busy_rows() and not self.pending
                            and not self.scheduler.num_waiting) or not self.rows.available
         free = self._free_rows(but=adm)
-        rows = (self.cache.victims(adm.num_rows, free=free, prefer=adm.source_row) if self.rows.keeps_prefixes
+        rows = (self.cache.victims(adm.num_rows, free=free, prompt=request.prompt_ids) if self.rows.keeps_prefixes
                 else free[:len(seqs)])
         for r, seq in zip(rows, seqs, strict=True):
             self.cache.forget(r)

@@ -2,14 +2,21 @@
 
 A finished sequence's KV stays in its row. A chat client re-sends the whole conversation every turn, so the
 next turn's prompt usually starts with a row's tokens (the last prompt and its answer); the batcher then copies
-that prefix to the prefill engine once and prefills only what follows. Pure bookkeeping: token lists and a
-use clock per row; the KV itself never moves here.
+that prefix to the prefill engine once and prefills only what follows. Each row keeps its own prefix: clients
+that take turns with different system prompts each find theirs in a row. A new sequence overwrites a row it
+mostly repeats (the same conversation a turn on), else an empty row, else the least recently used one. Pure
+bookkeeping: token lists and a use clock per row; the KV itself never moves here.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# A new sequence overwrites a free row in place when its prompt starts with at least this share of the row's tokens:
+# it then holds nearly all the row held (the same conversation a turn on, or the same prompt asked again), and a
+# second row would keep a copy. Below it the row holds another prompt (another client's system prompt, which shares
+# only the chat template's first tokens with this one), and stays for that client's next turn.
+MIN_REPEATED_SHARE = 0.5
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
@@ -46,6 +53,11 @@ class PromptCache:
         """The row is being overwritten (or was never filled)."""
         self._tokens[row] = []
 
+    def touch(self, row: int) -> None:
+        """The row's prefix served a prompt: it is the most recently used."""
+        self._clock += 1
+        self._used[row] = self._clock
+
     def tokens(self, row: int) -> list[int]:
         return self._tokens[row]
 
@@ -64,13 +76,19 @@ class PromptCache:
         self.stats.num_hits += num_cached > 0
         self.stats.num_cached_tokens += num_cached
 
-    def victims(self, num: int, *, free: Sequence[int], prefer: int | None = None) -> list[int]:
-        """num free rows to give a new request: `prefer` first (the row whose cache it reuses, overwritten in
-        place), then empty rows, then the least recently used cached ones (LRU eviction)."""
+    def victims(self, num: int, *, free: Sequence[int], prompt: Sequence[int] = ()) -> list[int]:
+        """num free rows to give a new request whose prompt is `prompt`: first the rows it repeats (at least
+        MIN_REPEATED_SHARE of a row's tokens start the prompt; the most shared first), overwritten in place, then
+        empty rows, then the least recently used cached ones (LRU eviction)."""
         if num > len(free):
             raise ValueError(f"{num} rows asked, {len(free)} free")
-        order = sorted(free, key=lambda r: (r != prefer, bool(self._tokens[r]), self._used[r]))
-        return order[:num]
+
+        def order(row: int) -> tuple[bool, int, bool, int]:
+            tokens = self._tokens[row]
+            shared = common_prefix(tokens, prompt)
+            repeated = bool(tokens) and shared >= MIN_REPEATED_SHARE * len(tokens)
+            return not repeated, -shared if repeated else 0, bool(tokens), self._used[row]
+        return sorted(free, key=order)[:num]
 
     def cached_rows(self, rows: Sequence[int]) -> list[int]:
         """Those of `rows` that hold a cached prefix, least recently used first."""
@@ -81,4 +99,4 @@ class PromptCache:
         return sum(bool(t) for t in self._tokens)
 
 
-__all__ = ["CacheStats", "PromptCache", "common_prefix"]
+__all__ = ["MIN_REPEATED_SHARE", "CacheStats", "PromptCache", "common_prefix"]
