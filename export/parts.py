@@ -111,7 +111,21 @@ def sized_groups(family_dir: str | Path, sizing: PartSizing) -> list[tuple[int, 
         k = int(np.argmax(per_layer))
         raise PartTooLarge(_too_large(f"layer {k}", per_layer[k], num_graphs=num_graphs, sizing=sizing))
     n = len(per_layer)
-    return [(0, 0), *groups_by_bytes(per_layer, first=0, last=0, max_bytes=layer_max), (n, n)]
+    return [(0, 0), *balanced_groups(per_layer, max_bytes=layer_max), (n, n)]
+
+
+def balanced_groups(per_layer: list[int], *, max_bytes: int) -> list[tuple[int, int]]:
+    """As few contiguous groups as fit max_bytes (groups_by_bytes), their largest made as small as that many allow:
+    no runt of a layer or two at the end, and each part's compile as far under the budget as the count lets it."""
+    num_groups = len(groups_by_bytes(per_layer, first=0, last=0, max_bytes=max_bytes))
+    lo, hi = max(per_layer), max_bytes  # the smallest limit that still makes num_groups groups
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(groups_by_bytes(per_layer, first=0, last=0, max_bytes=mid)) <= num_groups:
+            hi = mid
+        else:
+            lo = mid + 1
+    return groups_by_bytes(per_layer, first=0, last=0, max_bytes=lo)
 
 
 def _too_large(what: str, size: int, *, num_graphs: int, sizing: PartSizing) -> str:

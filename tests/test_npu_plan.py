@@ -308,3 +308,15 @@ def test_qnn_options_pass_through_and_a_malformed_one_is_one_line(tmp_path):
             RunOptions(qnn_options=(bad,))
     proc = staticlm("generate", "--prompt", "hi", "--qnn-option", "nonsense", "--model", tmp_path)
     assert_one_line_error(proc, "--qnn-option takes KEY=VALUE")
+
+
+def test_balanced_groups_keep_the_fewest_count_and_never_a_larger_part(rng):
+    from staticlm.export.parts import balanced_groups, groups_by_bytes
+
+    for _ in range(200):
+        per_layer = rng.integers(1, 100, int(rng.integers(1, 12))).tolist()
+        max_bytes = int(rng.integers(max(per_layer), sum(per_layer) + 1))
+        greedy = groups_by_bytes(per_layer, first=0, last=0, max_bytes=max_bytes)
+        balanced = balanced_groups(per_layer, max_bytes=max_bytes)
+        assert len(balanced) == len(greedy) and balanced[0][0] == 0 and balanced[-1][1] == len(per_layer)
+        assert max(sum(per_layer[a:b]) for a, b in balanced) <= max(sum(per_layer[a:b]) for a, b in greedy)
