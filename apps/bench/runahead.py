@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from staticlm.apps.commands.export import run_export
+from staticlm.apps.exporting import run_export
 from staticlm.apps.home import DEFAULT_MODEL
 from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.engine.ladder import cache_path
