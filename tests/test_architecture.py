@@ -219,3 +219,42 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of what a reader reads as prose: a module's comments and docstrings, a document whole."""
+    text = path.read_text(errors="ignore")
+    if path.suffix != ".py":
+        return list(enumerate(text.splitlines(), 1))
+    import io
+    import tokenize
+
+    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                ast.get_docstring(node) is not None:
+            first = node.body[0]
+            out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    return out
+
+
+def test_the_files_that_comments_and_the_docs_name_exist():
+    """A `name.py` (or .c, .h) in a comment, a docstring, README.md or ARCHITECTURE.md is a file of the tree: a moved
+    or removed file leaves no directions to nowhere."""
+    import re
+
+    files = [p for p in ROOT.rglob("*") if p.is_file() and not set(p.relative_to(ROOT).parts[:1]) & {".git", ".venv"}]
+    names = {p.name for p in files}
+    system = {"stddef.h", "stdint.h", "stdlib.h", "string.h", "math.h", "stdio.h", "time.h", "pthread.h",
+              "immintrin.h", "arm_neon.h", "onnxruntime_c_api.h"}
+    stale = []
+    for path in files:
+        if path.suffix not in (".py", ".md", ".c", ".h", ".sh") or path.parts[-2:] == ("tests", "test_architecture.py"):
+            continue
+        for number, line in _prose(path):
+            for named in re.findall(r"(?<![\w.])[\w/]+\.(?:py|c|h)\b", line):
+                base = named.rsplit("/", 1)[-1]
+                if base not in names and base not in system:
+                    stale.append(f"{path.relative_to(ROOT)}:{number}: {named}")
+    assert not stale, "names of files that do not exist:\n" + "\n".join(stale)

@@ -1,4 +1,4 @@
-"""Segment KV (seed 004): n = 4 responses to one prompt, the prompt's K/V shared or copied into every row.
+"""Segment KV: n = 4 responses to one prompt, the prompt's K/V shared or copied into every row.
 
 Per prompt length (100 and 1,000 tokens of the bench text), 64 sampled tokens per response:
 (a) the wall time for all 4 answers together (segmented graphs, and the copy-based batch) against one after

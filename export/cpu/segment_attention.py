@@ -4,7 +4,7 @@ Attention over two past segments and the new rows, one softmax:
 
 - the prompt segment [P_prompt, D] per KV head, shared: a 2-D right operand, so ORT's MatMul folds the B
   sequences' query rows of that head into one product's rows, and each prompt head is read once per step for the
-  whole batch (the seed's SDPA kernel reads the prompt once for all BW responses);
+  whole batch (the prompt's K/V are the largest tensors a step reads);
 - the response buffer [B, Hkv, P, D] per (layer, K|V), every sequence and head in one product;
 - the new rows, all heads and sequences at once.
 

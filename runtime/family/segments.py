@@ -1,4 +1,5 @@
-"""The I/O contract of segmented batched graphs (GraphKind.SEGMENT): segment KV, seed 004 section 3.2.
+"""The I/O contract of segmented batched graphs (GraphKind.SEGMENT): the prompt's K/V
+read once by B sequences, each sequence's own rows apart.
 
 A segmented graph runs B sequences that answer one prompt. Its past comes in two segments:
 
