@@ -3,7 +3,8 @@
 At decode the CPU EP spends about as long dispatching a node as computing a small one, and every
 parallel node wakes the intra-op pool, so the body is written for node count, not just arithmetic:
 
-- RMSNorm and the residual add are one SkipSimplifiedLayerNormalization (its 4th output is the sum).
+- RMSNorm and the residual add are one SkipSimplifiedLayerNormalization (its 4th output is the sum): the graph's
+  add_norm (graph.py), plugged into the one decoder layer (export/graph/llama.py).
 - RoPE is one RotaryEmbedding for all query heads and one for all KV heads. The engine's per-step
   rope_cos/rope_sin rows [B, 1, AR, D] become the op's "cache" ([B AR, D/2]: HF's rotate_half tables
   repeat one half) and position_ids are the constant row numbers, so the contract stays unchanged.
@@ -36,6 +37,8 @@ class CpuGraph(Protocol):
     options: CpuOptions
 
     def linear(self, x: str, weight: str) -> str: ...
+
+    def rms_norm(self, x: str, weight: str) -> str: ...
 
     def split_probs(self, probs: str, layer: int = 0) -> list[str]: ...
 
@@ -73,9 +76,7 @@ def head_norm(graph: CpuGraph, x: str, layer: int, kind: str, *, num_heads: int)
     if not c.qk_norm:
         return x
     x4 = g.op("Reshape", x, g.const([0, 0, num_heads, c.head_dim]))  # [B, AR, n, D]
-    y = g.op("SimplifiedLayerNormalization", x4, g.weight(f"l{layer}.{kind}_norm"), axis=-1,
-             epsilon=float(c.rms_norm_eps))
-    return g.op("Reshape", y, g.const([0, 0, num_heads * c.head_dim]))
+    return g.op("Reshape", graph.rms_norm(x4, f"l{layer}.{kind}_norm"), g.const([0, 0, num_heads * c.head_dim]))
 
 
 def grouped_bias(graph: CpuGraph, *, local: bool = False) -> str:
@@ -174,51 +175,3 @@ def attention(graph: CpuGraph, layer: int, x: str, *, rope: RopeTables, bias: st
         o = g.op("Concat", *[sequence_attention(graph, layer, b, q=parts[0][b], k=parts[1][b], v=parts[2][b],
                                                 bias=parts[3][b]) for b in range(s.batch)], axis=0)
     return graph.linear(from_heads(graph, o), f"l{layer}.o")
-
-
-def mlp(graph: CpuGraph, layer: int, x: str) -> str:
-    g, i = graph.g, graph.c.intermediate_size
-    gate, up = g.op("Split", graph.linear(x, f"l{layer}.gate_up"), g.const([i, i]), axis=-1, num_outputs=2)
-    if graph.c.mlp_activation == "gelu_tanh":  # ORT's FastGelu is GELU's tanh approximation
-        act = g.op("FastGelu", gate, domain=MS_DOMAIN)
-    else:
-        act = g.op("Mul", gate, g.op("Sigmoid", gate))  # ORT fuses this pair into QuickGelu(alpha=1)
-    return graph.linear(g.op("Mul", act, up), f"l{layer}.down")
-
-
-def post_norm(graph: CpuGraph, x: str, layer: int, kind: str) -> str:
-    """Sandwich norms (Gemma 3): the attention's or MLP's output normed before its residual add, else x."""
-    if not graph.c.sandwich_norms:
-        return x
-    return graph.g.op("SimplifiedLayerNormalization", x, graph.g.weight(f"l{layer}.{kind}_post_norm"), axis=-1,
-                      epsilon=float(graph.c.rms_norm_eps))
-
-
-def decoder(graph: CpuGraph, h: str) -> str:
-    """Embedded rows [B, AR, hidden] -> final-normed rows [B, AR, hidden].
-
-    The residual stream is the 4th output of SkipSimplifiedLayerNormalization (input + skip), so no
-    separate Add node exists for either residual connection.
-    """
-    g, c = graph.g, graph.c
-    eps = float(c.rms_norm_eps)
-    rope, bias = RopeTables(graph), grouped_bias(graph)
-    if c.local_layers:  # the local layers' RoPE base and sliding mask
-        local_rope, local_bias = RopeTables(graph, local=True), grouped_bias(graph, local=True)
-    x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=eps)
-    for layer in range(c.num_layers):
-        local = c.is_local(layer)
-        a = attention(graph, layer, x, rope=local_rope if local else rope, bias=local_bias if local else bias)
-        x, h = _skip_norm(graph, post_norm(graph, a, layer, "attn"), h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
-        m = post_norm(graph, mlp(graph, layer, x), layer, "mlp")
-        nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
-        x, h = _skip_norm(graph, m, h, nxt, tag=f"l{layer}_out")
-    return x
-
-
-def _skip_norm(graph: CpuGraph, x: str, residual: str, weight: str, *, tag: str) -> tuple[str, str]:
-    """(RMSNorm(x + residual) * weight, x + residual); the unused mean/inv_std outputs are left out."""
-    normed, total = f"{tag}_normed", f"{tag}_residual"
-    graph.g.op("SkipSimplifiedLayerNormalization", x, residual, graph.g.weight(weight), domain=MS_DOMAIN,
-               epsilon=float(graph.c.rms_norm_eps), outputs=[normed, "", "", total])
-    return normed, total

@@ -23,7 +23,7 @@ from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import Role, buffer_name
 from staticlm.runtime.kernels import DOMAIN as KERNEL_DOMAIN
 
-from .attention import CpuGraph, _skip_norm, head_norm, mlp, post_norm, projected_qkv
+from .attention import CpuGraph, head_norm, projected_qkv
 
 MS_DOMAIN = "com.microsoft"
 ROPE_COS, ROPE_SIN = "rope_cos_half", "rope_sin_half"
@@ -123,15 +123,3 @@ def op_rotates(config: ModelConfig) -> bool:
     Otherwise (a small partial rotary) q and k go through RotaryEmbedding first. (A q/k norm is applied before the
     op too: the op's own q/k norm inputs are left unused.)"""
     return (config.rope_dims // 2) % 8 == 0
-
-
-def decoder(graph: CpuGraph, h: str) -> str:
-    """Embedded rows [B, AR, hidden] -> final-normed rows [B, AR, hidden] (residuals as in attention.py)."""
-    g, c = graph.g, graph.c
-    x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=float(c.rms_norm_eps))
-    for layer in range(c.num_layers):
-        a = post_norm(graph, attention(graph, layer, x), layer, "attn")
-        x, h = _skip_norm(graph, a, h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
-        nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
-        x, h = _skip_norm(graph, post_norm(graph, mlp(graph, layer, x), layer, "mlp"), h, nxt, tag=f"l{layer}_out")
-    return x
