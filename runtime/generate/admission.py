@@ -29,6 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from staticlm.runtime.generate.placement import Where
 from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
 from staticlm.runtime.generate.rows import Rows
 from staticlm.runtime.generate.running import RunningSequence, new_sequences
@@ -95,7 +96,7 @@ class Admissions:
     def on_lane(self, request: SequenceRequest) -> bool:
         """Whether the request runs alone on the lane, its choices mirrored (a greedy one on rows that would not
         give it the lane's bits, Rows.greedy_exact)."""
-        return self.rows.available and not self.rows.greedy_exact and request.params.sampling.is_greedy
+        return self.rows.place(greedy=request.params.sampling.is_greedy) is Where.LANE
 
     def _admissible_on_segment(self) -> list[tuple[SequenceRequest, int]]:
         """Rows that read one prompt segment: while it is bound, the requests that extend it; else one request, and
