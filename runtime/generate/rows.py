@@ -18,6 +18,7 @@ from staticlm.errors import InvalidOption
 from staticlm.runtime.engine.engine import Engine
 from staticlm.runtime.engine.segment_engine import SegmentEngine, has_segments
 from staticlm.runtime.family.manifest import GraphKind
+from staticlm.runtime.generate.loop_parts import LoopParts
 from staticlm.runtime.generate.placement import (
     FamilyFacts,
     Where,
@@ -41,11 +42,11 @@ def family_facts(lane: Engine, *, shared_prompt_kv: bool) -> FamilyFacts:
 
 
 class Rows:
-    def __init__(self, model, *, eager: bool = False, kind: str | None = None) -> None:
+    def __init__(self, parts: LoopParts, *, eager: bool = False, kind: str | None = None) -> None:
         """kind: "copies" or "segments" to compare them (a benchmark); None: the family's and the options' choice."""
-        self.model = model
-        lane = model.engine
-        self.facts = family_facts(lane, shared_prompt_kv=model.options.shared_prompt_kv)
+        self.parts = parts
+        lane = parts.engine
+        self.facts = family_facts(lane, shared_prompt_kv=parts.shared_prompt_kv)
         self.kind = rows_kind(self.facts, forced=kind)
         self.num_rows = num_rows(self.facts, self.kind)
         self.unavailable = (None if self.kind else
@@ -108,7 +109,7 @@ class Rows:
         return self._engine if self._engine is not None else self.open()
 
     def open(self) -> Engine | SegmentEngine:
-        lane, speculates = self.model.engine, self.model.speculates
+        lane, speculates = self.parts.engine, self.parts.speculates
         if self.kind == "segments":
             self._engine = SegmentEngine.beside(lane, batch=self.num_rows)
         else:
@@ -119,7 +120,7 @@ class Rows:
                 "responses without --speculate" if self.kind == "segments"
                 else f"export it with --batch-sizes {self.num_rows}"))
         self._engine.warm_up(verify=speculates)
-        self.speculator = self.model.speculator(num_sequences=self.num_rows, engine=self._engine)
+        self.speculator = self.parts.speculator(num_sequences=self.num_rows, engine=self._engine)
         return self._engine
 
     @property
@@ -162,7 +163,7 @@ class Rows:
         # paired step puts twice the rows through every linear layer, whose time grows with its rows on the CPU
         paired = pairs_batch_step(s.exact for s in seqs.values())
         # Without --speculate the speculator only drafts into the row a paired step pays for anyway (Model.speculator)
-        drafts = paired or self.model.speculates
+        drafts = paired or self.parts.speculates
         if self.speculator is not None and drafts and all(s.plain for s in seqs.values()):
             for r in range(self.num_rows):
                 seq = seqs.get(r)
