@@ -154,26 +154,26 @@ def either(words: tuple[str, ...]) -> str:
 
 
 def whole_number(value: Any, name: str) -> int:
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            raise InvalidOption(f"{name} takes a whole number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (isinstance(value, float) and not value.is_integer()):
-        raise InvalidOption(f"{name} takes a whole number, got {value!r}")
-    return int(value)
+    return _number(value, name, int)
 
 
 def number(value: Any, name: str) -> float:
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            raise InvalidOption(f"{name} takes a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidOption(f"{name} takes a number, got {value!r}")
-    return float(value)
+    return _number(value, name, float)
+
+
+def _number(value: Any, name: str, kind: type) -> int | float:
+    """value (a number, or its text) as kind; a float with a fraction is no whole number."""
+    what = "a whole number" if kind is int else "a number"
+    try:
+        if isinstance(value, str):
+            return kind(value.strip())
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError
+    except ValueError:
+        raise InvalidOption(f"{name} takes {what}, got {value!r}") from None
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise InvalidOption(f"{name} takes {what}, got {value!r}")
+    return kind(value)
 
 
 def int_list(value: Any, name: str) -> tuple[int, ...]:

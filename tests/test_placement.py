@@ -18,17 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_gguf_grids import quantizer, tiny_llama  # noqa: F401 -- tiny_llama is a fixture
 
-from staticlm.runtime.generate.placement import (
-    COPIES,
-    SEGMENTS,
-    FamilyFacts,
-    Where,
-    greedy_exact,
-    num_rows,
-    pairs_batch_step,
-    place,
-    rows_kind,
-)
+from staticlm.runtime.generate import placement as pl
+from staticlm.runtime.generate.placement import COPIES, SEGMENTS, FamilyFacts, Where
 
 facts = st.builds(FamilyFacts, num_copy_rows=st.sampled_from([1, 2, 4]), num_segment_rows=st.sampled_from([1, 2, 4]),
                   can_segment=st.booleans(), exact_attention=st.booleans(), pairs_rows=st.booleans(),
@@ -37,7 +28,7 @@ facts = st.builds(FamilyFacts, num_copy_rows=st.sampled_from([1, 2, 4]), num_seg
 
 @given(facts, st.sampled_from([None, COPIES, SEGMENTS]))
 def test_the_rows_are_a_kind_the_family_has(f, forced):
-    kind = rows_kind(f, forced=forced)
+    kind = pl.rows_kind(f, forced=forced)
     if kind == SEGMENTS:
         assert f.can_segment and f.num_segment_rows > 1 and forced in (None, SEGMENTS)
         assert forced == SEGMENTS or f.shared_prompt_kv or f.num_copy_rows == 1  # copies are the default
@@ -45,15 +36,15 @@ def test_the_rows_are_a_kind_the_family_has(f, forced):
         assert f.num_copy_rows > 1
     else:
         assert f.num_copy_rows == 1 and not (f.can_segment and f.num_segment_rows > 1 and forced != COPIES)
-    assert (num_rows(f, kind) > 1) == (kind is not None)
+    assert (pl.num_rows(f, kind) > 1) == (kind is not None)
 
 
 @given(facts, st.sampled_from([None, COPIES, SEGMENTS]), st.booleans())
 def test_a_greedy_request_goes_only_where_it_gets_the_lanes_bits(f, forced, greedy):
-    kind = rows_kind(f, forced=forced)
-    where = place(f, kind, greedy=greedy)
+    kind = pl.rows_kind(f, forced=forced)
+    where = pl.place(f, kind, greedy=greedy)
     if where is Where.ROWS and greedy and kind is not None:
-        assert greedy_exact(f, kind)
+        assert pl.greedy_exact(f, kind)
     if not greedy or kind != SEGMENTS:
         assert where is Where.ROWS  # sampled rows and copies (the lane's graphs at any batch) need no lane
     if kind == SEGMENTS and greedy:  # the segmented graphs differ from the lane only where rows pair
@@ -62,7 +53,7 @@ def test_a_greedy_request_goes_only_where_it_gets_the_lanes_bits(f, forced, gree
 
 @given(st.lists(st.booleans(), min_size=1, max_size=4))
 def test_a_batch_step_pairs_only_for_a_greedy_row(greedy_rows):
-    assert pairs_batch_step(greedy_rows) == any(greedy_rows)
+    assert pl.pairs_batch_step(greedy_rows) == any(greedy_rows)
 
 
 # -- the promise, on generated requests ----------------------------------------------------------------------------

@@ -7,14 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from staticlm.runtime.engine.engine import Engine
 from staticlm.runtime.generate.generator import Generator
-from staticlm.runtime.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class LoopParts:
-    """lane: the model's one-sequence engine and its Generator (whose tokens mirror its KV); speculator(
+    """lane: the model's one-sequence engine and its Generator (whose tokens mirror its KV; lane.engine, its
+    tokenizer); speculator(
     num_sequences=, engine=): the batch rows' speculator, or None (Model.speculator); speculates: --speculate asks
     for drafts; shared_prompt_kv: --shared-prompt-kv (rows that read one prompt segment, where the family has
     them)."""
@@ -23,11 +22,3 @@ class LoopParts:
     speculator: Callable[..., object]
     speculates: bool = False
     shared_prompt_kv: bool = False
-
-    @property
-    def engine(self) -> Engine:
-        return self.lane.engine
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.lane.tokenizer

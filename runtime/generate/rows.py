@@ -45,7 +45,7 @@ class Rows:
     def __init__(self, parts: LoopParts, *, eager: bool = False, kind: str | None = None) -> None:
         """kind: "copies" or "segments" to compare them (a benchmark); None: the family's and the options' choice."""
         self.parts = parts
-        lane = parts.engine
+        lane = parts.lane.engine
         self.facts = family_facts(lane, shared_prompt_kv=parts.shared_prompt_kv)
         self.kind = rows_kind(self.facts, forced=kind)
         self.num_rows = num_rows(self.facts, self.kind)
@@ -109,7 +109,7 @@ class Rows:
         return self._engine if self._engine is not None else self.open()
 
     def open(self) -> Engine | SegmentEngine:
-        lane, speculates = self.parts.engine, self.parts.speculates
+        lane, speculates = self.parts.lane.engine, self.parts.speculates
         if self.kind == "segments":
             self._engine = SegmentEngine.beside(lane, batch=self.num_rows)
         else:
