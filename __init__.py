@@ -9,8 +9,10 @@ The Python API, with onnxruntime-genai's ergonomics:
     for text in chat.send("What is the capital of France?"):
         print(text, end="")
 
-`model.generator()` gives the token-level loop (append_tokens, generate_next_token, rewind_to). The names load
-on first use, so `import staticlm.kv_manager` stays pure numpy and loads no ONNX Runtime.
+`model.generator` is the token-level view of the same KV cache (append_tokens, generate_next_token, rewind_to);
+`model.generate(ids)` returns a `GenerationResult` whose `finish_reason` is a `FinishReason`, and
+`model.default_params()` the `GenerationParams` an answer runs with. The names load on first use, so
+`import staticlm.kv_manager` stays pure numpy and loads no ONNX Runtime.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ if TYPE_CHECKING:
     from staticlm.errors import InvalidOption, UserError
     from staticlm.kv_manager import ContextFull
     from staticlm.runtime.chat import ChatSession
-    from staticlm.runtime.generate.generator import FinishReason, GenerationParams, GenerationResult, Generator
+    from staticlm.runtime.generate.drive import GenerationResult
+    from staticlm.runtime.generate.generator import Generator
     from staticlm.runtime.generate.sampling import SamplingParams
+    from staticlm.runtime.generate.text_stream import FinishReason, GenerationParams
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
     from staticlm.runtime.session.device import Device
@@ -31,8 +35,8 @@ if TYPE_CHECKING:
 _API = {
     "Model": "staticlm.runtime.model", "RunOptions": "staticlm.runtime.options",
     "ChatSession": "staticlm.runtime.chat", "Message": "staticlm.runtime.text.chat_template",
-    "Generator": "staticlm.runtime.generate.generator", "GenerationParams": "staticlm.runtime.generate.generator",
-    "GenerationResult": "staticlm.runtime.generate.generator", "FinishReason": "staticlm.runtime.generate.generator",
+    "Generator": "staticlm.runtime.generate.generator", "GenerationParams": "staticlm.runtime.generate.text_stream",
+    "GenerationResult": "staticlm.runtime.generate.drive", "FinishReason": "staticlm.runtime.generate.text_stream",
     "SamplingParams": "staticlm.runtime.generate.sampling", "Device": "staticlm.runtime.session.device",
     "ContextFull": "staticlm.kv_manager", "UserError": "staticlm.errors", "InvalidOption": "staticlm.errors",
 }

@@ -9,43 +9,25 @@ from __future__ import annotations
 
 import argparse
 import sys
-from enum import Enum
 from pathlib import Path
 
 from staticlm.apps.interrupt import EXIT_INTERRUPTED, Interrupted
+from staticlm.apps.option_flags import add_option_flags, typed_options
 from staticlm.apps.serve.options import REASONING_FORMATS, ServeOptions
 from staticlm.errors import UserError
-from staticlm.runtime.options import RunOptions, flag, run_option_fields, spec, value_type
+from staticlm.runtime.options import RunOptions
 
 EXIT_USER_ERROR = 2
-METAVARS = {int: "N", float: "X", Path: "DIR"}
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """One flag per RunOptions field; values are checked when the RunOptions is made."""
-    group = p.add_argument_group("run options")
-    defaults = RunOptions()
-    for f in run_option_fields():
-        kind, default = value_type(f), getattr(defaults, f.name)
-        shown = default.value if isinstance(default, Enum) else default
-        kw: dict = {"dest": f.name, "default": argparse.SUPPRESS,
-                    "help": spec(f).help + ("" if shown is None or shown is False or shown == () else
-                                            f" (default: {shown})")}
-        if kind is bool:
-            kw["action"] = "store_true"
-        elif kind is tuple:
-            kw.update(action="append", metavar="TEXT")
-        elif issubclass(kind, Enum):
-            kw["metavar"] = "{" + ",".join(str(e.value) for e in kind) + "}"
-        else:
-            kw["type"] = kind if kind in (int, float) else str
-            kw["metavar"] = METAVARS.get(kind, "TEXT")
-        group.add_argument(flag(f), **kw)
+    add_option_flags(p.add_argument_group("run options"), RunOptions)
 
 
 def typed_run_options(args: argparse.Namespace) -> dict:
     """The run options the user typed, by field name."""
-    return {f.name: getattr(args, f.name) for f in run_option_fields() if hasattr(args, f.name)}
+    return typed_options(args, RunOptions)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

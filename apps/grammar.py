@@ -2,8 +2,8 @@
 mask per step (the server's response_format and tools, `generate --json-schema/--grammar`).
 
 llguidance builds the grammar's token masks from the family's own tokenizer.json (no transformers, no torch)
-and fills them into numpy bitmasks; the batcher masks the logits with them before sampling
-(runtime.sequence_request.Constraint).
+and fills them into numpy bitmasks; the generation loop masks the logits with them before sampling
+(runtime/generate/sequence_request.py's Constraint).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class Grammars:
 
 
 class GrammarConstraints:
-    """A factory of constraints for one grammar (the batcher makes one per choice)."""
+    """A factory of constraints for one grammar (the loop makes one per choice)."""
 
     def __init__(self, tokenizer, grammar: str) -> None:
         self._tokenizer, self._grammar = tokenizer, grammar

@@ -30,7 +30,7 @@ def ensure_default_model(target: str | None = None, *, quiet: bool = False,
     if not quiet:
         print(f"First run: exporting the default model ({DEFAULT_MODEL}, --target {target}) to {out}",
               file=sys.stderr)
-    from staticlm.apps.commands.export import run_export  # the exporter loads only when something is exported
+    from staticlm.apps.exporting import run_export  # the exporter loads only when something is exported
 
     # its Q4_1 minima folded on the CPU (export --grid-minima): within a few hundredths of a level step of exact, and
     # two nodes fewer per linear for every decode step of the model most runs use

@@ -1,6 +1,7 @@
 """The export options, declared once.
 
-Each field of `ExportRequest` carries its flag, help, choices, bounds and parser (export/option_fields.py). The
+Each field of `ExportRequest` carries its flag, help, choices, bounds and parser, declared as every option of
+staticlm is (runtime/option_fields.py, which the run options use too). The
 `staticlm export` flags are built from these fields (apps/commands/export.py), and the Python API takes the same
 names: `ExportRequest(**options)` for `export_model` (export/run.py) or `run_export(**options)` (the progress bar).
 A request is checked when it is made, before any (possibly slow) source is read; a bad value is one InvalidOption
@@ -16,6 +17,7 @@ from typing import Literal
 from staticlm.errors import InvalidOption
 from staticlm.runtime import kernels
 from staticlm.runtime.family.quant_params import KVBits, Quant
+from staticlm.runtime.option_fields import coerce_fields, int_list, option, parse_bytes, whole_number
 from staticlm.runtime.session.compile_memory import default_budget
 from staticlm.runtime.session.device import max_context_weight_bytes
 
@@ -24,7 +26,6 @@ from .family import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, DEFAULT_PREFILL_LEN, 
 from .gptq.options import GptqOptions, Rounding
 from .htp.options import QuantOptions
 from .htp.plan import GraphPlan
-from .option_fields import coerce, int_list, option, parse_bits_budget, parse_bytes, parse_parts
 from .parts import PartSizing
 from .sources import DEFAULT_NAMES
 
@@ -40,6 +41,28 @@ def _contexts(value: object, name: str) -> tuple[int, ...]:
     if not values or min(values) < 2:
         raise InvalidOption(f"{name} sizes must be integers >= 2, got {value!r}")
     return values
+
+
+def parse_bits_budget(value: object, name: str) -> float | str:
+    """Bits per weight, or 'none' (every projection at the low width)."""
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return "none"
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidOption(f"{name} takes bits per weight (e.g. 4.5) or none, got {value!r}") from None
+
+
+def parse_parts(value: object, name: str) -> int | str:
+    """A number of layer groups, or 'auto'."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return whole_number(value, name)
+    except InvalidOption:
+        raise InvalidOption(f"{name} takes a number of layer groups or auto, got {value!r}") from None
 
 
 def _lens(value: object, name: str) -> tuple[int, ...]:
@@ -115,7 +138,7 @@ class ExportRequest:
         "them, and so does a model larger than one HTP context; auto (--target htp): as few as keep each part's "
         "weights within one context of --soc-model", parse=parse_parts, metavar="N|auto")
     soc_model: str | None = option(None, "with --parts auto: the QNN SoC model whose context limit the parts fit "
-                                   "(default 57)")
+                                   "(default 57)", metavar="SOC")
     max_context_bytes: int | None = option(None, "with --parts auto: the weight bytes one context holds, instead of "
                                            "the SoC's (e.g. 1900M)", parse=parse_bytes, metavar="BYTES")
     compile_memory: int | None = option(None, "with --parts auto --target htp: the memory one part's compile may "
@@ -124,8 +147,7 @@ class ExportRequest:
     quiet: bool = option(False, "no progress bar and no summary on stderr")
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, coerce(f, getattr(self, f.name), owner=ExportRequest))
+        coerce_fields(self)
         given_cpu = self.weight_bits is not None or self.cpu_attention is not None or self.calib
         object.__setattr__(self, "target", self.target or ("cpu" if given_cpu else "float"))
         self._check_target_flags()

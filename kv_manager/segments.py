@@ -1,9 +1,9 @@
-"""Segment KV (seed 004, section 3.2): the prompt's K/V kept once, the responses' K/V in a buffer of their own.
+"""Segment KV: the prompt's K/V kept once, the responses' K/V in a buffer of their own.
 
 Several responses to one prompt share the prompt segment: the rows of the single-sequence cache that prefilled
 it, read in place by every sequence. Each response's own rows live in a ResponseCache, which starts at row 0 and
-grows in steps of 16 rows (the seed's step, BMC's r): a new buffer ceil(n / 16) x 16 rows long, the old rows
-copied into it once per step. KV memory is then the seed's formula (3):
+grows in steps of 16 rows (BMC's r: a reallocation per 16 rows, not per row): a new buffer ceil(n / 16) x 16
+rows long, the old rows copied into it once per step. KV memory is then
 
     BS x (N_prompt + BW x ceil(N_response / 16) x 16) x cache_token
 
@@ -78,7 +78,7 @@ class ResponseCache(KVCache):
         needed = max(int(self.ends.max()) + ar, past_len)
         if needed <= self.capacity:
             return
-        new = self._new_buffer(self._rounded(needed))  # the seed's step: one allocation per `step` rows
+        new = self._new_buffer(self._rounded(needed))  # one allocation per `step` rows, not per row
         for b in range(self.spec.batch):
             self._move_rows(b, src=int(self.ends[b] - self.lengths[b]), dst=0, num_rows=int(self.lengths[b]),
                             into=new)

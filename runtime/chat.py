@@ -3,18 +3,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import ContextFull, Overflow
 from staticlm.runtime.generate.drive import GenerationResult
+from staticlm.runtime.generate.generator import Generator
 from staticlm.runtime.generate.text_stream import FinishReason, GenerationParams
 from staticlm.runtime.text.chat_template import ChatMessage, Message, render_chat
 from staticlm.runtime.text.prompt_room import max_prompt_tokens
 from staticlm.runtime.text.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from staticlm.runtime.model import Model
 
 
 @dataclass(frozen=True)
@@ -104,10 +102,21 @@ def _with_content(message: ChatMessage, content: str) -> ChatMessage:
     return {**message, "content": content} if isinstance(message, Mapping) else replace(message, content=content)
 
 
+class Answers(Protocol):
+    """What a conversation asks of the model that opens it (runtime/model.py's Model): its generator, whose tokens
+    mirror the KV (a turn rewinds to what they share), one answer streamed, and that answer's summary."""
+
+    generator: Generator
+    last_result: GenerationResult | None
+
+    def stream(self, prompt_ids: list[int], params: GenerationParams | None = None, *,
+               should_stop: Callable[[], bool] = ..., **request) -> Iterator[str]: ...
+
+
 class ChatSession:
     """params: what an answer uses when a call passes none (the model's run options)."""
 
-    def __init__(self, model: Model, chat_format: ChatFormat, *, system_prompt: str | None = None,
+    def __init__(self, model: Answers, chat_format: ChatFormat, *, system_prompt: str | None = None,
                  params: GenerationParams | None = None) -> None:
         self.model, self.generator, self.format = model, model.generator, chat_format
         self.system_prompt = system_prompt

@@ -15,6 +15,7 @@ from staticlm.runtime.family.manifest import Manifest, load_manifest
 from staticlm.runtime.generate.drive import GenerationResult, Response, generate_many, stream
 from staticlm.runtime.generate.generator import Generator
 from staticlm.runtime.generate.loop import GenerationLoop
+from staticlm.runtime.generate.loop_parts import LoopParts
 from staticlm.runtime.generate.text_stream import GenerationParams
 from staticlm.runtime.options import RunOptions
 from staticlm.runtime.speculative.batch_speculative import BatchSpeculator
@@ -91,8 +92,13 @@ class Model:
 
     def open_loop(self, *, max_queue: int = 64, prompt_cache: bool = True, eager: bool = False) -> GenerationLoop:
         """The model's one loop, with these settings (its lane is the model's engine: one loop per model)."""
-        self._loop = GenerationLoop(self, max_queue=max_queue, prompt_cache=prompt_cache, eager=eager)
+        self._loop = GenerationLoop(self.loop_parts(), max_queue=max_queue, prompt_cache=prompt_cache, eager=eager)
         return self._loop
+
+    def loop_parts(self) -> LoopParts:
+        """What a generation loop over this model is handed: the lane, the rows' speculator factory, the options."""
+        return LoopParts(lane=self.generator, speculator=self.speculator, speculates=self.speculates,
+                         shared_prompt_kv=self.options.shared_prompt_kv)
 
     def default_params(self, options: RunOptions | None = None) -> GenerationParams:
         """An answer's parameters from the run options (default: the model's), the sampling fields they leave unset

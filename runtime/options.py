@@ -1,17 +1,16 @@
 """The run options, declared once.
 
-Each field of `RunOptions` carries its type, default, choices, range and help. The CLI builds the flags of
-every command that runs a model from these fields (apps/cli.py), the desktop app its settings and their saved
+Each field of `RunOptions` carries its type, default, choices, range and help, declared as every option of
+staticlm is (runtime/option_fields.py, which export/options.py's ExportRequest uses too). The CLI builds the flags
+of every command that runs a model from these fields (apps/cli.py), the desktop app its settings and their saved
 form (apps/gui/settings.py), and `Model.open` the engine, generator and chat from them (runtime/model.py).
 A front end that differs in a default (a chat window samples, the CLI is greedy) says so here, in the field.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -24,28 +23,12 @@ from staticlm.runtime.family.generation_defaults import FIELDS as SAMPLING_FIELD
 from staticlm.runtime.family.generation_defaults import resolve
 from staticlm.runtime.generate.sampling import SamplingParams
 from staticlm.runtime.generate.text_stream import GenerationParams
+from staticlm.runtime.option_fields import SAME, coerce_fields, flag, option, spec
 from staticlm.runtime.session.device import DEFAULT_SOC_MODEL, Device, DeviceOptions, parse_provider_options
 from staticlm.runtime.speculative.speculate_options import SpeculateOptions
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-SAME = object()  # an app_default equal to the CLI's
-
-
-@dataclass(frozen=True)
-class OptionSpec:
-    """What a front end needs to offer one option: its flag, help and limits."""
-
-    help: str
-    flag: str | None = None  # default: --field-name
-    low: float | None = None  # inclusive lower bound
-    low_exclusive: bool = False
-    high: float | None = None  # inclusive upper bound
-    reloads: bool = False  # the engine is built from it: changing it reopens the model
-    app_default: Any = SAME  # the desktop app's default, where it differs
-
-
-def option(default: Any, help: str, **spec: Any) -> Any:
-    return field(default=default, metadata={"option": OptionSpec(help=help, **spec)})
+__all__ = ["RunOptions", "flag", "reload_fields", "run_option_fields", "spec"]
 
 
 @dataclass(frozen=True)
@@ -56,10 +39,11 @@ class RunOptions:
     device: Device = option(Device.AUTO, "auto, cpu or htp (a Qualcomm NPU through QNN)", reloads=True)
     num_threads: int | None = option(None, "CPU threads (default: physical cores)", flag="--threads", low=1,
                                      reloads=True)
-    soc_model: str = option(DEFAULT_SOC_MODEL, "QNN SoC model for htp (57: Snapdragon 8 Gen 3)", reloads=True)
+    soc_model: str = option(DEFAULT_SOC_MODEL, "QNN SoC model for htp (57: Snapdragon 8 Gen 3)", metavar="SOC",
+                            reloads=True)
     qnn_options: tuple[str, ...] = option((), "htp: a QNN execution provider option KEY=VALUE for every session "
                                           "(repeatable), e.g. htp_share_resource_optimization=1 on a device",
-                                          flag="--qnn-option", reloads=True)
+                                          flag="--qnn-option", metavar="KEY=VALUE", reloads=True)
     kv_strategy: Strategy = option(Strategy.POINTER, "window graphs: pointer, shift, concat or bmc; in-place "
                                    "graphs (the cpu target's default) use in_place, their only strategy",
                                    reloads=True)
@@ -84,7 +68,8 @@ class RunOptions:
                              "kernels, whose rows need no pairing): faster decode, but a greedy answer may then "
                              "change with the prompt cache, the batch or speculation",
                              reloads=True)
-    speculate: str = option("none", "speculative decoding: none, lookup or draft:DIR", reloads=True)
+    speculate: str = option("none", "speculative decoding: none, lookup or draft:DIR",
+                            metavar="{none,lookup,draft:DIR}", reloads=True)
     draft_len: int | None = option(None, "fixed draft length (default: BASS's dynamic one)", low=1, reloads=True)
     # -- each answer -----------------------------------------------------------------------------------
     max_new_tokens: int = option(256, "most tokens an answer may have", low=1, app_default=512)
@@ -106,10 +91,7 @@ class RunOptions:
     system_prompt: str | None = option(None, "system prompt", flag="--system", app_default=DEFAULT_SYSTEM_PROMPT)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = _coerce(f, getattr(self, f.name))
-            object.__setattr__(self, f.name, value)
-            _check_range(f, value)
+        coerce_fields(self)
         parse_provider_options(self.qnn_options)
         SpeculateOptions.parse(self.speculate, fixed_length=self.draft_len)
 
@@ -169,79 +151,12 @@ class RunOptions:
         return options
 
 
-def spec(f: dataclasses.Field) -> OptionSpec:
-    return f.metadata["option"]
-
-
 def run_option_fields() -> tuple[dataclasses.Field, ...]:
     return dataclasses.fields(RunOptions)
 
 
 def reload_fields() -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in run_option_fields() if spec(f).reloads)
-
-
-def flag(f: dataclasses.Field) -> str:
-    return spec(f).flag or "--" + f.name.replace("_", "-")
-
-
-def value_type(f: dataclasses.Field) -> type:
-    """The field's type without Optional: int, float, str, bool, Path, an Enum, or tuple (of str)."""
-    hint = typing.get_type_hints(RunOptions)[f.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is tuple:
-        return tuple
-    return args[0] if args else hint
-
-
-def is_optional(f: dataclasses.Field) -> bool:
-    return type(None) in typing.get_args(typing.get_type_hints(RunOptions)[f.name])
-
-
-def _coerce(f: dataclasses.Field, value: Any) -> Any:
-    """A value from the command line, a settings file or Python, as the field's type (or InvalidOption)."""
-    kind, name = value_type(f), flag(f)
-    if value is None or (value == "" and kind is Path):
-        if not is_optional(f):
-            raise InvalidOption(f"{name} needs a value")
-        return None
-    if issubclass(kind, Enum):
-        try:
-            return kind(value.lower() if isinstance(value, str) else value)
-        except ValueError:
-            raise InvalidOption(f"unknown {f.name.replace('_', ' ')} {value!r} ({name}): choose one of "
-                                f"{', '.join(str(k.value) for k in kind)}") from None
-    if kind is tuple:
-        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-            raise InvalidOption(f"{name} takes a list of strings, got {value!r}")
-        return tuple(value)
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise InvalidOption(f"{name} is on or off, got {value!r}")
-        return value
-    if kind is Path:
-        return Path(value).expanduser()
-    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise InvalidOption(f"{name} takes a number, got {value!r}")
-    if kind is int and value != int(value):
-        raise InvalidOption(f"{name} takes a whole number, got {value!r}")
-    return kind(value)
-
-
-def _check_range(f: dataclasses.Field, value: Any) -> None:
-    s = spec(f)
-    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-        return
-    if isinstance(value, float) and math.isnan(value):
-        raise InvalidOption(f"{flag(f)} must be a number, got nan")
-    low_ok = s.low is None or (value > s.low if s.low_exclusive else value >= s.low)
-    high_ok = s.high is None or value <= s.high
-    if not (low_ok and high_ok):
-        low = "" if s.low is None else ("(" if s.low_exclusive else "[") + f"{s.low:g}"
-        high = "" if s.high is None else f"{s.high:g}]"
-        bound = f"in {low}, {high}" if s.low is not None and s.high is not None else \
-            (f"> {s.low:g}" if s.low_exclusive else f">= {s.low:g}") if s.high is None else f"<= {s.high:g}"
-        raise InvalidOption(f"{flag(f)} must be {bound}, got {value}")
 
 
 def _plain(value: Any) -> Any:

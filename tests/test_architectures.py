@@ -203,6 +203,14 @@ def test_cpu_target_agrees_with_transformers(tiny, arch, attention, tmp_path):
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
 
 
+def _with_config(hf_dir, out, **changes):
+    """A copy of the HF checkpoint with these config.json keys set."""
+    shutil.copytree(hf_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return out
+
+
 # -- bad input ------------------------------------------------------------------------------------------
 def _cli_export(model_path, out, *extra: str):
     return subprocess.run([sys.executable, "-m", "staticlm.apps.cli", "export", "--model", str(model_path),
@@ -285,10 +293,7 @@ def test_a_sliding_window_exports_only_contexts_it_covers(tiny, tmp_path):
     from staticlm.runtime.family.config import UnsupportedModel
 
     hf_dir, _model, _gguf = tiny("phi3")
-    windowed = tmp_path / "hf"
-    shutil.copytree(hf_dir, windowed)
-    cfg = json.loads((windowed / "config.json").read_text())
-    (windowed / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
+    windowed = _with_config(hf_dir, tmp_path / "hf", sliding_window=64)
     config = load_model(windowed).config
     assert config.sliding_window == 64 and config.for_context(64).sliding_window == 64
     with pytest.raises(UnsupportedModel, match="sliding-window"):
@@ -371,10 +376,7 @@ def test_gemma2_softcapping_and_a_vision_tower_are_refused_in_one_line(tiny, tmp
     for key, value, fragment in (("attn_logit_softcapping", 50.0, "attn logit softcapping"),
                                  ("final_logit_softcapping", 30.0, "final logit softcapping"),
                                  ("model_type", "gemma3", "vision tower")):
-        bad = tmp_path / key
-        shutil.copytree(hf_dir, bad)
-        cfg = json.loads((bad / "config.json").read_text())
-        (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
+        bad = _with_config(hf_dir, tmp_path / key, **{key: value})
         _assert_refused(_cli_export(bad, tmp_path / "out"), tmp_path / "out", fragment)
     gguf = tiny_archs.write_gguf(model, tmp_path / "capped.gguf", arch="gemma3",
                                  metadata={"gemma3.attn_logit_softcapping": 50})
@@ -387,10 +389,7 @@ def test_gemma3_softmax_scale_is_query_pre_attn_scalars(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf_dir, model, _gguf = tiny("gemma3")
-    scaled = tmp_path / "hf"
-    shutil.copytree(hf_dir, scaled)
-    cfg = json.loads((scaled / "config.json").read_text())
-    (scaled / "config.json").write_text(json.dumps({**cfg, "query_pre_attn_scalar": 12}))
+    scaled = _with_config(hf_dir, tmp_path / "hf", query_pre_attn_scalar=12)
     ref = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
     got, want = _teacher_forced(_export(scaled, tmp_path / "family")), hf_step(ref, TEXT[None], None)[0][0]
     assert np.abs(want - hf_step(model, TEXT[None], None)[0][0]).max() > 0.1 * np.abs(want).max()  # it matters

@@ -14,9 +14,9 @@ from staticlm.apps.commands.export import typed_export_options
 from staticlm.errors import InvalidOption
 from staticlm.export.gptq.options import GptqOptions, Rounding
 from staticlm.export.htp.options import QuantOptions
-from staticlm.export.option_fields import flag, spec
 from staticlm.export.options import ExportRequest
 from staticlm.runtime.family.quant_params import KVBits, Quant
+from staticlm.runtime.option_fields import flag, spec
 
 FIELDS = dataclasses.fields(ExportRequest)
 
@@ -67,7 +67,7 @@ def test_each_target_gets_the_options_it_was_given():
 
 @pytest.mark.parametrize(("options", "words"), [
     ({"prefill_len": "x"}, "--prefill-len takes a whole number"),
-    ({"prefill_len": 1}, "--prefill-len must be at least 2"),
+    ({"prefill_len": 1}, "--prefill-len must be >= 2, got 1"),
     ({"target": "tpu"}, "--target takes float, cpu or htp"),
     ({"contexts": "1,2"}, "--context sizes must be integers >= 2"),
     ({"verify_lens": (4, "x")}, "--verify-lens takes comma-separated integers"),
@@ -86,7 +86,7 @@ def test_bad_values_are_refused_from_python(options, words):
 @pytest.mark.parametrize(("args", "words"), [
     (("--prefill-len", "x"), "--prefill-len takes a whole number, got 'x'"),
     (("--target", "tpu"), "--target takes float, cpu or htp, got 'tpu'"),
-    (("--target", "htp", "--calib-steps", "0"), "--calib-steps must be at least 1"),
+    (("--target", "htp", "--calib-steps", "0"), "--calib-steps must be >= 1, got 0"),
     (("--target", "htp", "--parts", "auto", "--max-context-bytes", "lots"), "--max-context-bytes takes a byte count"),
 ])
 def test_bad_values_are_refused_in_one_line_from_the_cli(args, words, tmp_path):

@@ -45,9 +45,9 @@ def fake_first_export(tiny_chat_family, monkeypatch):
         shutil.copytree(tiny_chat_family, out_dir)
         return out_dir
 
-    from staticlm.apps.commands import export as export_command  # models imports it when it exports
+    from staticlm.apps import exporting  # models imports it when it exports
 
-    monkeypatch.setattr(export_command, "run_export", run_export)
+    monkeypatch.setattr(exporting, "run_export", run_export)
     return calls
 
 

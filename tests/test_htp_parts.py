@@ -149,8 +149,8 @@ def test_compile_reports_each_contexts_weight_bytes_against_the_limit(tiny_w4_fa
 
 def test_parts_options_are_refused_in_one_line_before_the_export(tiny_hf_dir, tmp_path):
     from staticlm.errors import InvalidOption
-    from staticlm.export.option_fields import parse_bytes
     from staticlm.export.options import ExportRequest
+    from staticlm.runtime.option_fields import parse_bytes
 
     common = ("export", "--model", tiny_hf_dir, "--out", tmp_path / "family", "--quiet")
     assert_one_line_error(staticlm(*common, "--parts", "many"), "--parts takes a number of layer groups or auto")

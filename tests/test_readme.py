@@ -31,3 +31,12 @@ def test_readme_python_example_runs_verbatim(smollm2_family, tmp_path):
     assert "Paris" in lines[0]  # the greedy answer of SmolLM2-135M-Instruct
     assert re.match(r"TTFT \d+ ms, [\d.]+ tok/s, \d+ tokens cached", lines[1])
     assert "Paris" in lines[2]  # the token-level loop continues "The capital of France is"
+
+
+def test_readme_python_example_runs_verbatim_on_a_tiny_family(tiny_chat_family, tmp_path):
+    """The same text on the tiny family, so a renamed or broken API name fails without the real model."""
+    (tmp_path / "smollm2").symlink_to(tiny_chat_family, target_is_directory=True)
+    proc = subprocess.run([sys.executable, "-c", python_example()], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^TTFT \d+ ms, [\d.]+ tok/s, \d+ tokens cached$", proc.stdout, re.M)

@@ -321,7 +321,7 @@ def test_requests_sharing_a_cached_prefix_read_its_static_window_in_place(famili
     params = GenerationParams(max_new_tokens=20, ignore_eos=True, sampling=_varied_greedy())
     want = [_single_tokens(family, ids, params) for ids in prompts]
     for submit_after in ([0, 0], [0, 3]):
-        loop = GenerationLoop(model_of(_engine(family)), eager=True)
+        loop = GenerationLoop(model_of(_engine(family)).loop_parts(), eager=True)
         assert loop.rows.kind == "segments"
         got, seen = _run_requests(loop, prompts, params, submit_after=submit_after)
         assert got == want, submit_after

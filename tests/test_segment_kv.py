@@ -251,7 +251,7 @@ def _batch_generate(family: Path, ids: list[int], params, *, segments: bool, num
     from staticlm.runtime.speculative.batch_speculative import BatchSpeculator
     from staticlm.runtime.speculative.drafters import PromptLookupDrafter
 
-    loop = GenerationLoop(model_of(_engine(family)), rows="segments" if segments else "copies", eager=True)
+    loop = GenerationLoop(model_of(_engine(family)).loop_parts(), rows="segments" if segments else "copies", eager=True)
     assert loop.rows.kind == ("segments" if segments else "copies")
     if speculate:
         loop.rows.speculator = BatchSpeculator([PromptLookupDrafter()] * loop.num_rows)
@@ -379,7 +379,7 @@ def test_requests_extending_a_cached_prefix_read_its_segment_in_place(families, 
                               sampling=SamplingParams(temperature=1.0, seed=13, repetition_penalty=10.0))
     want = [_single_tokens(family, ids, params) for ids in prompts]
     assert len(set(map(tuple, want))) == 3 and all(len(set(w)) > 10 for w in want)  # varied answers
-    loop = GenerationLoop(model_of(_engine(family)), rows="segments", eager=True)
+    loop = GenerationLoop(model_of(_engine(family)).loop_parts(), rows="segments", eager=True)
     got, seen = _run_requests(loop, prompts, params, submit_after=submit_after)
     assert got == want
     together = [step for step in seen if len(step) == 2]  # the first two decoded side by side in the rows

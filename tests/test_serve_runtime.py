@@ -1,5 +1,5 @@
 """The serving runtime without HTTP: the row scheduler and the prompt cache (bookkeeping), the kv_manager's row
-operations (against a naive reference), and the continuous batcher against the one-sequence Generator."""
+operations (against a naive reference), and the generation loop against the one-sequence Generator."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -115,7 +115,7 @@ def test_rows_cleared_and_loaded_one_at_a_time_match_a_naive_reference(strategy,
             np.testing.assert_array_equal(cache.valid_block(seq), want)
 
 
-# -- the continuous batcher -----------------------------------------------------------------------------------
+# -- the generation loop ----------------------------------------------------------------------------------------
 def _open(family: Path):
     from staticlm.runtime.model import Model
     from staticlm.runtime.options import RunOptions
@@ -138,18 +138,18 @@ def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, 
     for ids, p in zip(prompts, params):
         reference.generator.reset()
         want.append(reference.generate(ids, p).token_ids)
-    batcher = served.open_loop(max_queue=8, eager=True)
+    loop = served.open_loop(max_queue=8, eager=True)
     events: list[list] = [[] for _ in prompts]
     requests = [SequenceRequest(prompt_ids=ids, params=p, on_event=events[i].append)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
     for i, request in enumerate(requests):  # one joins every other step, while the others decode
-        batcher.submit(request)
-        batcher.step()
-        batcher.step()
+        loop.submit(request)
+        loop.step()
+        loop.step()
         if i == 0:  # alone, it decoded on the one-sequence graphs; the next one moves it into its batch row
-            assert batcher.rows.engine.counters.num_decode_steps == 0 and batcher.num_steps == 2
+            assert loop.rows.engine.counters.num_decode_steps == 0 and loop.num_steps == 2
     requests[5].cancel()  # a cancelled request frees its row at the next step
-    while batcher.step():
+    while loop.step():
         pass
     for i, evs in enumerate(events):
         [done] = [e for e in evs if isinstance(e, Finished)]
@@ -160,7 +160,7 @@ def test_requests_joining_at_different_steps_decode_as_they_would_alone(layout, 
     cached = [next(e for e in evs if isinstance(e, Admitted)).num_cached_tokens for evs in events]
     # "abcabc abc" again: its whole prompt but the last token was in a free row (or the prefill engine)
     assert cached[4] == len(prompts[4]) - 1 and cached[2] >= len(tok.encode("abcabc ab", add_special_tokens=False))
-    assert batcher.status()["rows_in_use"] == 0 and batcher.status()["prompt_cache_hits"] >= 2
+    assert loop.status()["rows_in_use"] == 0 and loop.status()["prompt_cache_hits"] >= 2
 
 
 def test_a_request_that_breaks_fails_alone_and_the_others_finish(tiny_chat_family):
@@ -182,18 +182,18 @@ def test_a_request_that_breaks_fails_alone_and_the_others_finish(tiny_chat_famil
     ids = reference.tokenizer.encode("The cat", add_special_tokens=False)
     params = GenerationParams(max_new_tokens=12, ignore_eos=True)
     want = reference.generate(ids, params).token_ids
-    batcher = served.open_loop()
+    loop = served.open_loop()
     good, bad = [], []
-    batcher.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=good.append))
-    batcher.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=bad.append, num_choices=2,
+    loop.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=good.append))
+    loop.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=bad.append, num_choices=2,
                                    constraint=Breaks))
-    while batcher.step():
+    while loop.step():
         pass
     assert [type(e) for e in bad if isinstance(e, (Failed, Finished))] == [Failed]
     assert list(next(e for e in good if isinstance(e, Finished)).token_ids) == want
-    assert batcher.status()["rows_in_use"] == 0
-    batcher.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=good.append, num_choices=4))
-    while batcher.step():  # every row can be taken again
+    assert loop.status()["rows_in_use"] == 0
+    loop.submit(SequenceRequest(prompt_ids=ids, params=params, on_event=good.append, num_choices=4))
+    while loop.step():  # every row can be taken again
         pass
     assert [list(e.token_ids) for e in good if isinstance(e, Finished)] == [want] * 5
 

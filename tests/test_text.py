@@ -36,19 +36,25 @@ def _raw_byte_level_with_merges():
 
     alphabet = sorted(ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
+    merges = _merges(vocab, ["Ġthe", "Ġa", "he", "ðŁ", "ðŁĺ", "ä¸", "Ã©", "ll"])  # " the", " a", emoji/CJK/é leads
+    tok = HF(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(TINY_SPECIALS)
+    return tok
+
+
+def _merges(vocab: dict[str, int], words: list[str]) -> list[tuple[str, str]]:
+    """BPE merges that build each word left to right, each new piece added to vocab."""
     merges = []
-    for word in ["Ġthe", "Ġa", "he", "ðŁ", "ðŁĺ", "ä¸", "Ã©", "ll"]:  # " the", " a", emoji/CJK/é lead bytes
+    for word in words:
         left = word[0]
         for ch in word[1:]:
             if left + ch not in vocab:
                 merges.append((left, ch))
                 vocab[left + ch] = len(vocab)
             left += ch
-    tok = HF(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(TINY_SPECIALS)
-    return tok
+    return merges
 
 
 def _raw_sentencepiece_style():
@@ -58,14 +64,7 @@ def _raw_sentencepiece_style():
 
     pieces = [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + list("abcdefghijklmnopqrstuvwxyz.,!?")
     vocab = {p: i for i, p in enumerate(pieces)}
-    merges = []
-    for word in ["▁the", "▁a", "▁hello", "he"]:
-        left = word[0]
-        for ch in word[1:]:
-            if left + ch not in vocab:
-                merges.append((left, ch))
-                vocab[left + ch] = len(vocab)
-            left += ch
+    merges = _merges(vocab, ["▁the", "▁a", "▁hello", "he"])
     tok = HF(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=False))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),

@@ -1,5 +1,6 @@
-"""KV-Runahead on this host (seed 003): TTFT of 2 workers x 1 thread against 1 worker x 2 threads, the searched
-partition against an even split, and the seed's model projected to 4 and 8 workers from measured per-chunk costs.
+"""KV-Runahead on this host: TTFT of 2 workers x 1 thread against 1 worker x 2 threads, the searched
+partition against an even split, and the workers' chain model (partition.modeled_ttft) projected to 4 and 8
+workers from measured per-chunk costs.
 
 The family: the bench's model when it keeps its KV in place, has layer-group parts and holds the longest prompt;
 else the default model's cpu family exported once with --parts into the staticlm cache. The searched 2-worker
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from staticlm.apps.commands.export import run_export
+from staticlm.apps.exporting import run_export
 from staticlm.apps.home import DEFAULT_MODEL
 from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.engine.ladder import cache_path
@@ -188,7 +189,7 @@ def bench_runahead(ctx: BenchContext) -> list[Row]:
                 ms["1w2t"], higher_is_better=False),
             Row(f"runahead.ttft@{n}.even", f"TTFT {n}-token prompt, 2 workers x 1 thread, even split", "ms",
                 ms["2w1t_even"], higher_is_better=False),
-            *(Row(f"runahead.model@{n}.{p}w", f"TTFT {n}-token prompt, seed's model, {p} workers (1 core each)",
+            *(Row(f"runahead.model@{n}.{p}w", f"TTFT {n}-token prompt, chain model, {p} workers (1 core each)",
                   "ms", projected[workers.index(p)] * 1e3, higher_is_better=False,
                   note=f"partition {partitions[p]}; even split {projected_even[workers.index(p)] * 1e3:.0f} ms; "
                        f"model at 1 worker x 1 thread {model_serial * 1e3:.0f} ms, at 2 workers "
@@ -225,7 +226,7 @@ def plot_runahead(figure: dict, path: Path) -> Path:
         ax.set_title(f"{n}-token prompt")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("KV-Runahead TTFT: measured points and the seed's model from measured per-chunk costs")
+    fig.suptitle("KV-Runahead TTFT: measured points and the chain model from measured per-chunk costs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

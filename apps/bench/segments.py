@@ -1,4 +1,4 @@
-"""Segment KV (seed 004): n = 4 responses to one prompt, the prompt's K/V shared or copied into every row.
+"""Segment KV: n = 4 responses to one prompt, the prompt's K/V shared or copied into every row.
 
 Per prompt length (100 and 1,000 tokens of the bench text), 64 sampled tokens per response:
 (a) the wall time for all 4 answers together (segmented graphs, and the copy-based batch) against one after
@@ -89,8 +89,8 @@ def bench_segments(ctx: BenchContext) -> list[Row]:
     new_tokens = 8 if ctx.options.quick else NEW_TOKENS
     params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True,
                               sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
-    segmented = GenerationLoop(model, rows="segments", eager=True)
-    copied = GenerationLoop(model, rows="copies", eager=True)
+    segmented = GenerationLoop(model.loop_parts(), rows="segments", eager=True)
+    copied = GenerationLoop(model.loop_parts(), rows="copies", eager=True)
     rows, raw = [], {}
     for prompt_len in PROMPT_LENS:
         if prompt_len + new_tokens + 1 > ctx.max_context or prompt_len > len(ctx.text_ids):

@@ -131,51 +131,85 @@ def record_traces_streamed(float_dir: Path, fm: Manifest, prompt_ids: list[list[
                            max_bytes: int = MAX_GROUP_BYTES) -> Traces:
     """record_traces's traces (same arguments, fm: the float family's manifest), one layer group in memory at a
     time (see the module docstring for what differs)."""
-    config = fm.model
     decode, prefill = _ladders(float_dir, fm, max_bytes=max_bytes)
     chunk, max_context = prefill[-1].entry.shape.ar, decode[-1].entry.shape.past_len + 1
     room, max_rows = max_context - 1, max_past_rows or max_context
-    max_prefill_start = prefill[-1].entry.shape.past_len
-    num_tensors = len(decode[0].new_kv)
-    ranges = _Ranges()
-
-    def sequence(tokens: list[int], capacity: int) -> _Sequence:
-        return _Sequence(list(tokens), np.zeros((num_tensors, capacity, config.head_dim), np.float32))
-
+    run = _Run(decode=decode, prefill=prefill, chunk=chunk, room=room, max_rows=max_rows,
+               max_prefill_start=prefill[-1].entry.shape.past_len, num_tensors=len(decode[0].new_kv),
+               head_dim=fm.model.head_dim, ranges=_Ranges())
     keep = max(room - max_new_tokens, 1)
     prompt_ids = [p[-keep:] for p in prompt_ids]
     reach = max(map(len, prompt_ids), default=0) + max_new_tokens
     num_long = max_steps // 2 if len(prompt_ids) > 1 and reach < room else 0
     num_short = max_steps - num_long
-    num_chunks = sum(-(-len(p) // chunk) for p in prompt_ids)
-    num_decode = len(prompt_ids) * max_new_tokens
-    chunk_stride = max(1, -(-num_chunks // max(1, num_short // 2)))
-    decode_stride = max(1, -(-num_decode // max(1, num_short - min(num_chunks, num_short // 2))))
 
-    # the first tokens alone, then every prompt: its first token alone (the sink), its chunks
-    sinks = [sequence([t], 1) for t in sink_ids]
-    chats = [sequence(ids, min(len(ids) + max_new_tokens, room)) for ids in prompt_ids]
-    jobs = []
+    sinks = [run.sequence([t], 1) for t in sink_ids]
+    chats = [run.sequence(ids, min(len(ids) + max_new_tokens, room)) for ids in prompt_ids]
+    _prefill(run, sinks, chats)
+    _answer_in_lockstep(run, chats, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    steps = _selected_steps(run, chats, prompt_ids, num_short=num_short, max_new_tokens=max_new_tokens,
+                            on_prompt=on_prompt)
+    replay: list[TraceStep] = []
+    long = None
+    if num_long:
+        long, long_steps, replay = _long_steps(run, chats, prompt_ids, num_long=num_long)
+        steps += long_steps
+    kv_min, kv_max = _kv_range(run, [*sinks, *chats, *([long] if long else [])])
+    sink_steps = [_step(seq, 0, seq.tokens[:1], max_rows) for seq in [*sinks, *chats]]
+    return Traces(steps=tuple(steps) + tuple(sink_steps), kv_min=kv_min, kv_max=kv_max,
+                  logits_min=run.ranges.logits_min, logits_max=run.ranges.logits_max, replay_steps=tuple(replay))
+
+
+@dataclass
+class _Run:
+    """One recording's graphs (the decode and prefill ladders, by layer group) and limits."""
+
+    decode: list
+    prefill: list
+    chunk: int  # the prefill graph's rows
+    room: int  # the rows a sequence may hold
+    max_rows: int  # the past rows a trace step keeps
+    max_prefill_start: int
+    num_tensors: int
+    head_dim: int
+    ranges: _Ranges
+
+    def sequence(self, tokens: list[int], capacity: int) -> _Sequence:
+        return _Sequence(list(tokens), np.zeros((self.num_tensors, capacity, self.head_dim), np.float32))
+
+    def sweep(self, chunks: list, rows: list) -> None:
+        """Prompt chunks on the prefill ladder, then single rows on the decode ladder."""
+        _sweep(self.prefill, chunks, self.ranges.logits)
+        if rows:
+            _sweep(self.decode, rows, self.ranges.logits)
+
+
+def _prefill(run: _Run, sinks: list[_Sequence], chats: list[_Sequence]) -> None:
+    """The first tokens alone, then every prompt: its first token alone (the sink), its chunks."""
+    jobs, tail = [], []
     for seq in sinks:
         seq.run_ends.add(0)
         jobs.append((seq, 0, 1))
-    tail = []
     for seq in chats:
+        chunk = run.chunk
         seq.run_ends.update({0, *(min(a + chunk, len(seq.tokens)) - 1 for a in range(1, len(seq.tokens), chunk))})
-        chunks, rows = _chunks(seq, 1, len(seq.tokens), chunk=chunk, max_start=max_prefill_start)
+        chunks, rows = _chunks(seq, 1, len(seq.tokens), chunk=chunk, max_start=run.max_prefill_start)
         jobs += [(seq, 0, 1), *chunks]
         tail += rows
-    _sweep(prefill, jobs, ranges.logits)
-    if tail:
-        _sweep(decode, tail, ranges.logits)
+    run.sweep(jobs, tail)
     for seq in sinks + chats:
         seq.num_rows = len(seq.tokens)
+
+
+def _answer_in_lockstep(run: _Run, chats: list[_Sequence], *, max_new_tokens: int, eos_ids: tuple[int, ...]
+                        ) -> None:
+    """One greedy token of every unfinished answer a sweep."""
     active = list(chats)
-    for _ in range(max_new_tokens):  # lockstep: one token of every unfinished answer a sweep
+    for _ in range(max_new_tokens):
         jobs = []
         for seq in active:
             token = int(np.argmax(seq.logits))
-            if token in eos_ids or seq.num_rows + 1 > room:
+            if token in eos_ids or seq.num_rows + 1 > run.room:
                 continue
             seq.tokens.append(token)
             seq.answer.append(token)
@@ -184,44 +218,59 @@ def record_traces_streamed(float_dir: Path, fm: Manifest, prompt_ids: list[list[
             seq.num_rows += 1
         if not jobs:
             break
-        _sweep(decode, jobs, ranges.logits)
+        _sweep(run.decode, jobs, run.ranges.logits)
         active = [seq for seq, _start, _count in jobs]
+
+
+def _selected_steps(run: _Run, chats: list[_Sequence], prompt_ids: list[list[int]], *, num_short: int,
+                    max_new_tokens: int, on_prompt) -> list[TraceStep]:
+    """record_traces's selection, prompt by prompt: every chunk_stride-th prompt chunk and decode_stride-th
+    answer token, num_short steps at most."""
+    chunk = run.chunk
+    num_chunks = sum(-(-len(p) // chunk) for p in prompt_ids)
+    num_decode = len(prompt_ids) * max_new_tokens
+    chunk_stride = max(1, -(-num_chunks // max(1, num_short // 2)))
+    decode_stride = max(1, -(-num_decode // max(1, num_short - min(num_chunks, num_short // 2))))
     steps: list[TraceStep] = []
     chunk_no = decode_no = 0
-    for seq, ids in zip(chats, prompt_ids):  # record_traces's selection, prompt by prompt
+    for seq, ids in zip(chats, prompt_ids):
         for start in range(1, len(ids), chunk):
             if chunk_no % chunk_stride == 0:
-                steps.append(_step(seq, start, ids[start:start + chunk], max_rows))
+                steps.append(_step(seq, start, ids[start:start + chunk], run.max_rows))
             chunk_no += 1
         for i, token in enumerate(seq.answer):
             if decode_no % decode_stride == 0:
-                steps.append(_step(seq, len(ids) + i, [token], max_rows))
+                steps.append(_step(seq, len(ids) + i, [token], run.max_rows))
             decode_no += 1
         if on_prompt is not None:
             on_prompt()
-    steps = steps[:num_short]
-    replay: list[TraceStep] = []
-    long = None
-    if num_long:
-        long, long_steps = _long_conversation(prompt_ids, [c.answer for c in chats], room=room, chunk=chunk,
-                                              num_steps=num_long, make=lambda tokens: sequence(tokens, room + 1))
-        chunks, rows = _chunks(long, 0, len(long.tokens), chunk=chunk, max_start=max_prefill_start)
-        _sweep(prefill, chunks, ranges.logits)
-        if rows:
-            _sweep(decode, rows, ranges.logits)
-        long.num_rows = len(long.tokens)
-        steps += [_step(long, start, tokens, max_rows) for start, tokens in long_steps]
-        replay = [_step(long, p, long.tokens[p:p + chunk], max_rows)
-                  for p in range(1, len(long.tokens) - chunk + 1, chunk)]
-    kv_min, kv_max = np.full(num_tensors, np.inf, np.float32), np.full(num_tensors, -np.inf, np.float32)
-    for seq in [*sinks, *chats, *([long] if long else [])]:
+    return steps[:num_short]
+
+
+def _long_steps(run: _Run, chats: list[_Sequence], prompt_ids: list[list[int]], *, num_long: int
+                ) -> tuple[_Sequence, list[TraceStep], list[TraceStep]]:
+    """The long conversation (the prompts and their answers one after another): its sequence, its steps and the
+    replay of its every chunk."""
+    chunk = run.chunk
+    long, long_steps = _long_conversation(prompt_ids, [c.answer for c in chats], room=run.room, chunk=chunk,
+                                          num_steps=num_long, make=lambda tokens: run.sequence(tokens, run.room + 1))
+    run.sweep(*_chunks(long, 0, len(long.tokens), chunk=chunk, max_start=run.max_prefill_start))
+    long.num_rows = len(long.tokens)
+    steps = [_step(long, start, tokens, run.max_rows) for start, tokens in long_steps]
+    replay = [_step(long, p, long.tokens[p:p + chunk], run.max_rows)
+              for p in range(1, len(long.tokens) - chunk + 1, chunk)]
+    return long, steps, replay
+
+
+def _kv_range(run: _Run, sequences: list[_Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """Per KV tensor, the least and greatest value of every row recorded: [num_tensors] each."""
+    kv_min, kv_max = np.full(run.num_tensors, np.inf, np.float32), np.full(run.num_tensors, -np.inf, np.float32)
+    for seq in sequences:
         rows = seq.kv[:, :seq.num_rows]
         if rows.shape[1]:
             np.minimum(kv_min, rows.min(axis=(1, 2)), out=kv_min)
             np.maximum(kv_max, rows.max(axis=(1, 2)), out=kv_max)
-    sink_steps = [_step(seq, 0, seq.tokens[:1], max_rows) for seq in [*sinks, *chats]]
-    return Traces(steps=tuple(steps) + tuple(sink_steps), kv_min=kv_min, kv_max=kv_max,
-                  logits_min=ranges.logits_min, logits_max=ranges.logits_max, replay_steps=tuple(replay))
+    return kv_min, kv_max
 
 
 def _step(seq: _Sequence, start: int, tokens, max_rows: int) -> TraceStep:

@@ -3,7 +3,8 @@
 At decode the CPU EP spends about as long dispatching a node as computing a small one, and every
 parallel node wakes the intra-op pool, so the body is written for node count, not just arithmetic:
 
-- RMSNorm and the residual add are one SkipSimplifiedLayerNormalization (its 4th output is the sum).
+- RMSNorm and the residual add are one SkipSimplifiedLayerNormalization (its 4th output is the sum): the graph's
+  add_norm (graph.py), plugged into the one decoder layer (export/graph/llama.py).
 - RoPE is one RotaryEmbedding for all query heads and one for all KV heads. The engine's per-step
   rope_cos/rope_sin rows [B, 1, AR, D] become the op's "cache" ([B AR, D/2]: HF's rotate_half tables
   repeat one half) and position_ids are the constant row numbers, so the contract stays unchanged.
@@ -15,14 +16,31 @@ parallel node wakes the intra-op pool, so the body is written for node count, no
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from staticlm.runtime.family.contract import Role, kv_name
+from staticlm.export.graph.builder import GraphBuilder
+from staticlm.runtime.family.config import ModelConfig
+from staticlm.runtime.family.contract import GraphShape, Role, kv_name
 
-if TYPE_CHECKING:
-    from .graph import CpuLlamaGraph
+from .options import CpuOptions
+
+
+class CpuGraph(Protocol):
+    """What the CPU bodies (this module, gqa.py, segment_attention.py) ask of the graph they build into
+    (graph.py's CpuLlamaGraph, which imports them)."""
+
+    g: GraphBuilder
+    c: ModelConfig
+    s: GraphShape
+    options: CpuOptions
+
+    def linear(self, x: str, weight: str) -> str: ...
+
+    def rms_norm(self, x: str, weight: str) -> str: ...
+
+    def split_probs(self, probs: str, layer: int = 0) -> list[str]: ...
 
 MS_DOMAIN = "com.microsoft"
 
@@ -31,7 +49,7 @@ class RopeTables:
     """Per-graph RoPE inputs shared by every layer: position_ids [B, AR], cos/sin caches [B AR, R/2] (R: the
     rotated dims, rope_dims; the rest of each head passes through)."""
 
-    def __init__(self, graph: CpuLlamaGraph, *, local: bool = False) -> None:
+    def __init__(self, graph: CpuGraph, *, local: bool = False) -> None:
         """local: from the local layers' rope_cos_local/rope_sin_local inputs."""
         g, s, d, r = graph.g, graph.s, graph.c.head_dim, graph.c.rope_dims
         rows = s.batch * s.ar
@@ -45,25 +63,23 @@ class RopeTables:
         cos, sin = (Role.ROPE_COS_LOCAL, Role.ROPE_SIN_LOCAL) if local else (Role.ROPE_COS, Role.ROPE_SIN)
         self.cos, self.sin = half(cos.value), half(sin.value)
 
-    def apply(self, graph: CpuLlamaGraph, x: str, num_heads: int) -> str:
+    def apply(self, graph: CpuGraph, x: str, num_heads: int) -> str:
         """x [B, AR, n D] -> rotated [B, AR, n D]."""
         partial = {"rotary_embedding_dim": self.rotary_dim} if self.rotary_dim < graph.c.head_dim else {}
         return graph.g.op("RotaryEmbedding", x, self.position_ids, self.cos, self.sin, domain=MS_DOMAIN,
                           num_heads=num_heads, interleaved=0, **partial)
 
 
-def head_norm(graph: CpuLlamaGraph, x: str, layer: int, kind: str, *, num_heads: int) -> str:
+def head_norm(graph: CpuGraph, x: str, layer: int, kind: str, *, num_heads: int) -> str:
     """[B, AR, n D] -> the q or k norm (kind) over each head's D dims when the architecture has one, else x."""
     g, c = graph.g, graph.c
     if not c.qk_norm:
         return x
     x4 = g.op("Reshape", x, g.const([0, 0, num_heads, c.head_dim]))  # [B, AR, n, D]
-    y = g.op("SimplifiedLayerNormalization", x4, g.weight(f"l{layer}.{kind}_norm"), axis=-1,
-             epsilon=float(c.rms_norm_eps))
-    return g.op("Reshape", y, g.const([0, 0, num_heads * c.head_dim]))
+    return g.op("Reshape", graph.rms_norm(x4, f"l{layer}.{kind}_norm"), g.const([0, 0, num_heads * c.head_dim]))
 
 
-def grouped_bias(graph: CpuLlamaGraph, *, local: bool = False) -> str:
+def grouped_bias(graph: CpuGraph, *, local: bool = False) -> str:
     """attention_bias [B, 1, AR, P+AR] -> [B, 1, g AR, P+AR], the row order of grouped queries (once per graph);
     local: attention_bias_local."""
     g, s, grp = graph.g, graph.s, graph.c.group_size
@@ -73,7 +89,7 @@ def grouped_bias(graph: CpuLlamaGraph, *, local: bool = False) -> str:
     return g.op("Tile", bias, g.const([1, 1, grp, 1]))  # the small mask, never KV
 
 
-def to_heads(graph: CpuLlamaGraph, x: str, *, num_heads: int, group: int = 1) -> str:
+def to_heads(graph: CpuGraph, x: str, *, num_heads: int, group: int = 1) -> str:
     """[B, AR, n D] -> [B, n/group, group AR, D] (query heads of one KV head adjacent, rows inside)."""
     g, s, d = graph.g, graph.s, graph.c.head_dim
     kv_heads = num_heads // group
@@ -84,7 +100,7 @@ def to_heads(graph: CpuLlamaGraph, x: str, *, num_heads: int, group: int = 1) ->
     return g.op("Reshape", x5, g.const([s.batch, kv_heads, group * s.ar, d]))
 
 
-def from_heads(graph: CpuLlamaGraph, o: str) -> str:
+def from_heads(graph: CpuGraph, o: str) -> str:
     """[B, Hkv, g AR, D] -> [B, AR, H D] (inverse of to_heads for the query heads)."""
     g, s, c = graph.g, graph.s, graph.c
     if s.ar == 1:
@@ -94,11 +110,11 @@ def from_heads(graph: CpuLlamaGraph, o: str) -> str:
     return g.op("Reshape", o5, g.const([s.batch, s.ar, c.num_heads * c.head_dim]))
 
 
-def _parts(graph: CpuLlamaGraph, x: str, n: int, axis: int) -> list[str]:
+def _parts(graph: CpuGraph, x: str, n: int, axis: int) -> list[str]:
     return [x] if n == 1 else graph.g.op("Split", x, graph.g.const([1] * n), axis=axis, num_outputs=n)
 
 
-def sequence_attention(graph: CpuLlamaGraph, layer: int, seq: int | None, *, q: str, k: str, v: str,
+def sequence_attention(graph: CpuGraph, layer: int, seq: int | None, *, q: str, k: str, v: str,
                        bias: str) -> str:
     """One sequence: q [1, Hkv, g AR, D], k/v [1, Hkv, AR, D], bias [1, 1, g AR, P+AR] -> [1, Hkv, g AR, D].
 
@@ -125,7 +141,7 @@ def sequence_attention(graph: CpuLlamaGraph, layer: int, seq: int | None, *, q: 
     return g.op("Add", o_past, g.op("MatMul", p_new, v))
 
 
-def projected_qkv(graph: CpuLlamaGraph, layer: int, x: str) -> tuple[str, str, str]:
+def projected_qkv(graph: CpuGraph, layer: int, x: str) -> tuple[str, str, str]:
     """x [B, AR, hidden] (normed) -> q [B, AR, H D], k and v [B, AR, Hkv D]: the projection, its biases and the
     q/k norms (not rotated)."""
     g, c = graph.g, graph.c
@@ -138,7 +154,7 @@ def projected_qkv(graph: CpuLlamaGraph, layer: int, x: str) -> tuple[str, str, s
     return q, head_norm(graph, k, layer, "k", num_heads=c.num_kv_heads), v
 
 
-def qkv_heads(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables) -> tuple[str, str, str]:
+def qkv_heads(graph: CpuGraph, layer: int, x: str, *, rope: RopeTables) -> tuple[str, str, str]:
     """x [B, AR, hidden] (normed) -> q [B, Hkv, g AR, D], k and v [B, Hkv, AR, D]: the projection, its biases,
     the q/k norms and RoPE."""
     c = graph.c
@@ -148,7 +164,7 @@ def qkv_heads(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables) -> 
     return q, k, to_heads(graph, v, num_heads=c.num_kv_heads)
 
 
-def attention(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables, bias: str) -> str:
+def attention(graph: CpuGraph, layer: int, x: str, *, rope: RopeTables, bias: str) -> str:
     """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden]."""
     g, s = graph.g, graph.s
     q, k, v = qkv_heads(graph, layer, x, rope=rope)
@@ -159,51 +175,3 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str, *, rope: RopeTables, bia
         o = g.op("Concat", *[sequence_attention(graph, layer, b, q=parts[0][b], k=parts[1][b], v=parts[2][b],
                                                 bias=parts[3][b]) for b in range(s.batch)], axis=0)
     return graph.linear(from_heads(graph, o), f"l{layer}.o")
-
-
-def mlp(graph: CpuLlamaGraph, layer: int, x: str) -> str:
-    g, i = graph.g, graph.c.intermediate_size
-    gate, up = g.op("Split", graph.linear(x, f"l{layer}.gate_up"), g.const([i, i]), axis=-1, num_outputs=2)
-    if graph.c.mlp_activation == "gelu_tanh":  # ORT's FastGelu is GELU's tanh approximation
-        act = g.op("FastGelu", gate, domain=MS_DOMAIN)
-    else:
-        act = g.op("Mul", gate, g.op("Sigmoid", gate))  # ORT fuses this pair into QuickGelu(alpha=1)
-    return graph.linear(g.op("Mul", act, up), f"l{layer}.down")
-
-
-def post_norm(graph: CpuLlamaGraph, x: str, layer: int, kind: str) -> str:
-    """Sandwich norms (Gemma 3): the attention's or MLP's output normed before its residual add, else x."""
-    if not graph.c.sandwich_norms:
-        return x
-    return graph.g.op("SimplifiedLayerNormalization", x, graph.g.weight(f"l{layer}.{kind}_post_norm"), axis=-1,
-                      epsilon=float(graph.c.rms_norm_eps))
-
-
-def decoder(graph: CpuLlamaGraph, h: str) -> str:
-    """Embedded rows [B, AR, hidden] -> final-normed rows [B, AR, hidden].
-
-    The residual stream is the 4th output of SkipSimplifiedLayerNormalization (input + skip), so no
-    separate Add node exists for either residual connection.
-    """
-    g, c = graph.g, graph.c
-    eps = float(c.rms_norm_eps)
-    rope, bias = RopeTables(graph), grouped_bias(graph)
-    if c.local_layers:  # the local layers' RoPE base and sliding mask
-        local_rope, local_bias = RopeTables(graph, local=True), grouped_bias(graph, local=True)
-    x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=eps)
-    for layer in range(c.num_layers):
-        local = c.is_local(layer)
-        a = attention(graph, layer, x, rope=local_rope if local else rope, bias=local_bias if local else bias)
-        x, h = _skip_norm(graph, post_norm(graph, a, layer, "attn"), h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
-        m = post_norm(graph, mlp(graph, layer, x), layer, "mlp")
-        nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
-        x, h = _skip_norm(graph, m, h, nxt, tag=f"l{layer}_out")
-    return x
-
-
-def _skip_norm(graph: CpuLlamaGraph, x: str, residual: str, weight: str, *, tag: str) -> tuple[str, str]:
-    """(RMSNorm(x + residual) * weight, x + residual); the unused mean/inv_std outputs are left out."""
-    normed, total = f"{tag}_normed", f"{tag}_residual"
-    graph.g.op("SkipSimplifiedLayerNormalization", x, residual, graph.g.weight(weight), domain=MS_DOMAIN,
-               epsilon=float(graph.c.rms_norm_eps), outputs=[normed, "", "", total])
-    return normed, total

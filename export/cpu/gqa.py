@@ -15,8 +15,6 @@ is 30 GroupQueryAttention nodes instead of ~600 attention nodes for SmolLM2, and
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from onnx import TensorProto
 
@@ -25,10 +23,7 @@ from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import Role, buffer_name
 from staticlm.runtime.kernels import DOMAIN as KERNEL_DOMAIN
 
-from .attention import _skip_norm, head_norm, mlp, post_norm, projected_qkv
-
-if TYPE_CHECKING:
-    from .graph import CpuLlamaGraph
+from .attention import CpuGraph, head_norm, projected_qkv
 
 MS_DOMAIN = "com.microsoft"
 ROPE_COS, ROPE_SIN = "rope_cos_half", "rope_sin_half"
@@ -57,7 +52,7 @@ def rope_tables(config: ModelConfig, *, local: bool = False) -> tuple[np.ndarray
     return cos[:, :half].astype(np.float32), sin[:, :half].astype(np.float32)
 
 
-def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
+def attention(graph: CpuGraph, layer: int, x: str) -> str:
     """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden]."""
     if graph.options.staticlm_attention:
         return cached_attention(graph, layer, x)
@@ -99,7 +94,7 @@ def attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
     return graph.linear(out, f"l{layer}.o")
 
 
-def cached_attention(graph: CpuLlamaGraph, layer: int, x: str) -> str:
+def cached_attention(graph: CpuGraph, layer: int, x: str) -> str:
     """The same contract through staticlm's CachedAttention (runtime/kernels/attention_ops.c), which computes every
     query row alone: a row's bits do not depend on the rows beside it, and the segmented graphs' SegmentAttention
     gives it the same ones (segment_attention.py). RoPE runs before it, in float32, as there."""
@@ -121,7 +116,7 @@ def attention_op(name: str, kv_dtype: str) -> str:
     return name + ("F16" if kv_dtype == "float16" else "")
 
 
-def rotated_qkv(graph: CpuLlamaGraph, layer: int, x: str, *, cos: str, sin: str, positions: str
+def rotated_qkv(graph: CpuGraph, layer: int, x: str, *, cos: str, sin: str, positions: str
                 ) -> tuple[str, str, str]:
     """x [B, AR, hidden] (normed) -> q [B, AR, H D], k and v [B, AR, Hkv D]: the projection, its biases, the q/k norms
     and RoPE (cos/sin caches [rows, R/2] read at positions [B, AR])."""
@@ -137,15 +132,3 @@ def op_rotates(config: ModelConfig) -> bool:
     Otherwise (a small partial rotary) q and k go through RotaryEmbedding first. (A q/k norm is applied before the
     op too: the op's own q/k norm inputs are left unused.)"""
     return (config.rope_dims // 2) % 8 == 0
-
-
-def decoder(graph: CpuLlamaGraph, h: str) -> str:
-    """Embedded rows [B, AR, hidden] -> final-normed rows [B, AR, hidden] (residuals as in attention.py)."""
-    g, c = graph.g, graph.c
-    x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=float(c.rms_norm_eps))
-    for layer in range(c.num_layers):
-        a = post_norm(graph, attention(graph, layer, x), layer, "attn")
-        x, h = _skip_norm(graph, a, h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
-        nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
-        x, h = _skip_norm(graph, post_norm(graph, mlp(graph, layer, x), layer, "mlp"), h, nxt, tag=f"l{layer}_out")
-    return x

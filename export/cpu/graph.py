@@ -24,8 +24,9 @@ from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import KV_INPUT_ROLES, Role, graph_io, in_place_graph_io, kv_name
 from staticlm.runtime.kernels import DOMAIN as KERNEL_DOMAIN
 
-from .attention import decoder as windows_decoder
-from .gqa import decoder as gqa_decoder
+from .attention import RopeTables, grouped_bias
+from .attention import attention as windows_attention
+from .gqa import attention as gqa_attention
 from .linears import FLOAT_BITS, OFFSET_BLOCK, LinearPlan, MatMulPart
 from .options import CpuAttention, CpuOptions, WeightBits
 from .quant import block_sum_matrix, correction_rows
@@ -48,6 +49,47 @@ class CpuLlamaGraph(LlamaGraph):
         self.last_logits_only = last_logits_only  # in-place prompt graphs: see in_place_graph_io
         self._writer = weights
         self._split_sizes: dict[bool, str] = {}  # [P, AR] for split_probs (by local or not), built on first use
+        self._ropes: dict[bool, RopeTables] = {}  # the windows body's RoPE inputs (by local or not), on first use
+        self._biases: dict[bool, str] = {}  # and its grouped masks
+
+    # -- the decoder layer's plug-ins (export/graph/llama.py's LlamaGraph.decoder) ------------------------------
+    def rms_norm(self, x: str, weight: str) -> str:
+        """ORT's SimplifiedLayerNormalization: one node."""
+        return self.g.op("SimplifiedLayerNormalization", x, self.g.weight(weight), axis=-1,
+                         epsilon=float(self.c.rms_norm_eps))
+
+    def add_norm(self, x: str, residual: str, weight: str, *, tag: str) -> tuple[str, str]:
+        """(RMSNorm(x + residual) * weight, x + residual) as one SkipSimplifiedLayerNormalization, whose 4th output
+        is the sum, so no Add node exists for either residual connection; the unused mean/inv_std outputs are left
+        out. Named {tag}_normed and {tag}_residual (export/parts.py cuts at both)."""
+        normed, total = f"{tag}_normed", f"{tag}_residual"
+        self.g.op("SkipSimplifiedLayerNormalization", x, residual, self.g.weight(weight), domain=MS_DOMAIN,
+                  epsilon=float(self.c.rms_norm_eps), outputs=[normed, "", "", total])
+        return normed, total
+
+    def activation(self, x: str) -> str:
+        """ORT's FastGelu is GELU's tanh approximation; SiLU's Mul(x, Sigmoid(x)) ORT fuses into QuickGelu."""
+        if self.c.mlp_activation == "gelu_tanh":
+            return self.g.op("FastGelu", x, domain=MS_DOMAIN)
+        return super().activation(x)
+
+    def layer_attention(self, layer: int, x: str) -> str:
+        if self.options.attention is CpuAttention.GQA:
+            return gqa_attention(self, layer, x)
+        local = self.c.is_local(layer)
+        return windows_attention(self, layer, x, rope=self.rope_tables(local=local),
+                                 bias=self.grouped_bias(local=local))
+
+    def rope_tables(self, *, local: bool = False) -> RopeTables:
+        """The RoPE inputs every layer of the kind (local or not) reads, made once per graph."""
+        if local not in self._ropes:
+            self._ropes[local] = RopeTables(self, local=local)
+        return self._ropes[local]
+
+    def grouped_bias(self, *, local: bool = False) -> str:
+        if local not in self._biases:
+            self._biases[local] = grouped_bias(self, local=local)
+        return self._biases[local]
 
     def _matmul_nbits(self, x: str, part: MatMulPart, *, k: int) -> str:
         g = self.g
@@ -148,8 +190,7 @@ class CpuLlamaGraph(LlamaGraph):
             raise ValueError("last-row logits need the in-place layout (its query_seqlens input)")
         inputs, outputs = (in_place_graph_io(c, s, last_logits_only=self.last_logits_only,
                                              kv_dtype=self.options.kv_dtype) if gqa else graph_io(c, s))
-        h = self.scale_embedding(self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
-        h = (gqa_decoder if gqa else windows_decoder)(self, h)  # [B, AR, hidden]
+        h = self.decoder(self.scale_embedding(self.embed(Role.INPUT_IDS.value)))  # [B, AR, hidden], final-normed
         h = g.op("Reshape", h, g.const([-1, c.hidden_size]))  # [B AR, hidden]
         if gqa:  # the rows the caller asks for: [B R, hidden] (R = 1 for a prompt chunk, AR to verify)
             h = g.op("Gather", h, Role.LOGITS_INDEX.value, axis=0)

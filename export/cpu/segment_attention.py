@@ -4,7 +4,7 @@ Attention over two past segments and the new rows, one softmax:
 
 - the prompt segment [P_prompt, D] per KV head, shared: a 2-D right operand, so ORT's MatMul folds the B
   sequences' query rows of that head into one product's rows, and each prompt head is read once per step for the
-  whole batch (the seed's SDPA kernel reads the prompt once for all BW responses);
+  whole batch (the prompt's K/V are the largest tensors a step reads);
 - the response buffer [B, Hkv, P, D] per (layer, K|V), every sequence and head in one product;
 - the new rows, all heads and sequences at once.
 
@@ -24,11 +24,12 @@ from staticlm.runtime.family.manifest import GraphEntry, GraphKind, file_sha256
 from staticlm.runtime.family.segments import PROMPT_ROLES, segment_graph_io
 from staticlm.runtime.kernels import DOMAIN as KERNEL_DOMAIN
 
-from .attention import MS_DOMAIN, RopeTables, _skip_norm, from_heads, grouped_bias, mlp, qkv_heads, to_heads
+from .attention import MS_DOMAIN, RopeTables, from_heads, qkv_heads, to_heads
 from .gqa import attention_op, rotated_qkv
 from .graph import BIAS_DIM, PAST_DIM, CpuLlamaGraph, add_opsets
 
 PROMPT_DIM = "prompt_len"
+LOCAL_BIAS_DIM = "prompt_len_plus_past_len_plus_ar"
 
 
 def _split(graph: CpuLlamaGraph, x: str, n: int, axis: int, **kw) -> list[str]:
@@ -61,9 +62,19 @@ class SegmentCpuGraph(CpuLlamaGraph):
                                        rows(buffer_name(Role.PAST_KEY, 0), 2), g.const([self.s.ar]), axis=0)
         return self._segment_sizes
 
-    def attention(self, layer: int, x: str, *, rope: RopeTables, bias: str) -> str:
+    def layer_attention(self, layer: int, x: str) -> str:
+        local = self.c.is_local(layer)
         if self.options.staticlm_attention:
-            return self.segment_attention(layer, x, rope=rope)
+            if local:
+                raise ValueError("staticlm's SegmentAttention has no sliding window: a local layer's segmented "
+                                 "graph attends with ORT's ops")
+            return self.segment_attention(layer, x, rope=self.rope_tables())
+        return self.attention(layer, x, rope=self.rope_tables(local=local), bias=self.grouped_bias(local=local),
+                              local=local)
+
+    def attention(self, layer: int, x: str, *, rope: RopeTables, bias: str, local: bool = False) -> str:
+        """local: bias (attention_bias_local) masks the prompt's rows too, [B, 1, g AR, Pp + P + AR]; else it covers
+        the response and new rows only, the prompt all seen."""
         g, c, s = self.g, self.c, self.s
         b, hkv, d = s.batch, c.num_kv_heads, c.head_dim
         q, k, v = qkv_heads(self, layer, x, rope=rope)  # [B, Hkv, g AR, D], [B, Hkv, AR, D] x 2
@@ -80,8 +91,12 @@ class SegmentCpuGraph(CpuLlamaGraph):
         s_resp = g.op("FusedMatMul", q, self._read(buffer_name(Role.PAST_KEY, layer)), domain=MS_DOMAIN, transB=1,
                       alpha=alpha)  # [B, Hkv, g AR, P]
         s_new = g.op("FusedMatMul", q, k, domain=MS_DOMAIN, transB=1, alpha=alpha)  # [B, Hkv, g AR, AR]
-        masked = g.op("Add", g.op("Concat", s_resp, s_new, axis=-1), bias)  # [B, Hkv, g AR, P + AR]
-        probs = g.op("Softmax", g.op("Concat", s_prompt, masked, axis=-1), axis=-1)  # [B, Hkv, g AR, Pp + P + AR]
+        if local:
+            scores = g.op("Add", g.op("Concat", s_prompt, s_resp, s_new, axis=-1), bias)  # [B, Hkv, g AR, Pp + P + AR]
+        else:
+            masked = g.op("Add", g.op("Concat", s_resp, s_new, axis=-1), bias)  # [B, Hkv, g AR, P + AR]
+            scores = g.op("Concat", s_prompt, masked, axis=-1)  # [B, Hkv, g AR, Pp + P + AR]
+        probs = g.op("Softmax", scores, axis=-1)
         p_prompt, p_resp, p_new = g.op("Split", probs, self._sizes(), axis=-1, num_outputs=3)
         pp_heads = _split(self, p_prompt, hkv, axis=1)
         o_prompt = _cat(self, [g.op("MatMul", pp_heads[h], self._read(kv_name(Role.PROMPT_VALUE, layer, h)))
@@ -116,22 +131,10 @@ class SegmentCpuGraph(CpuLlamaGraph):
         """New K/V rows in the cache's element type."""
         return rows if self.options.kv_dtype == "float32" else self.g.op("Cast", rows, to=TensorProto.FLOAT16)
 
-    def decoder(self, h: str) -> str:
-        g, c = self.g, self.c
-        rope = RopeTables(self)
-        bias = None if self.options.staticlm_attention else grouped_bias(self)
-        x = g.op("SimplifiedLayerNormalization", h, g.weight("l0.attn_norm"), axis=-1, epsilon=float(c.rms_norm_eps))
-        for layer in range(c.num_layers):
-            x, h = _skip_norm(self, self.attention(layer, x, rope=rope, bias=bias), h, f"l{layer}.mlp_norm",
-                              tag=f"l{layer}_mlp")
-            nxt = f"l{layer + 1}.attn_norm" if layer + 1 < c.num_layers else "final_norm"
-            x, h = _skip_norm(self, mlp(self, layer, x), h, nxt, tag=f"l{layer}_out")
-        return x
-
     def build(self, name: str) -> onnx.ModelProto:
         g, c, s = self.g, self.c, self.s
         inputs, outputs = segment_graph_io(c, s, kv_dtype=self.options.kv_dtype)
-        h = self.decoder(self.embed(Role.INPUT_IDS.value))  # [B, AR, hidden]
+        h = self.decoder(self.scale_embedding(self.embed(Role.INPUT_IDS.value)))  # [B, AR, hidden], final-normed
         h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))
         g.op("Reshape", self.lm_head(h), g.const([s.batch, s.ar, c.vocab_size]), outputs=[Role.LOGITS.value])
         model = g.model(name=name, inputs=inputs, outputs=outputs,
@@ -142,7 +145,8 @@ class SegmentCpuGraph(CpuLlamaGraph):
 
 
 def _make_segments_symbolic(model: onnx.ModelProto) -> None:
-    """Prompt inputs [prompt_len, D], response buffers [B, Hkv, past_len, D], bias [.., past_len_plus_ar]."""
+    """Prompt inputs [prompt_len, D], response buffers [B, Hkv, past_len, D], bias [.., past_len_plus_ar] (a local
+    layer's: [.., prompt_len_plus_past_len_plus_ar])."""
     prompt = tuple(f"{r.value}_" for r in PROMPT_ROLES)
     past = tuple(f"{r.value}_" for r in KV_INPUT_ROLES)
     for value in model.graph.input:
@@ -153,6 +157,8 @@ def _make_segments_symbolic(model: onnx.ModelProto) -> None:
             dims[2].dim_param = PAST_DIM
         elif value.name == Role.ATTENTION_BIAS.value:
             dims[3].dim_param = BIAS_DIM
+        elif value.name == Role.ATTENTION_BIAS_LOCAL.value:
+            dims[3].dim_param = LOCAL_BIAS_DIM
 
 
 def segments_supported(config) -> bool:

@@ -133,19 +133,13 @@ class HTPLlamaGraph(LlamaGraph):
     def build(self, name: str):
         """As LlamaGraph.build, but the head is a MatMul over its own [hidden, V] table: QNN HTP rejects the
         16-bit x 8-bit Gemm(transB) (FullyConnected, validation error 3110)."""
-        g, c, s = self.g, self.c, self.s
+        g, s = self.g, self.s
         self._norm_outputs: list[tuple[str, list[int]]] = []  # each with its shape
         self._block_sums: dict[str, str] = {}  # input -> its block sums
         inputs, outputs = self.io()
         head = g.weight("lm_head_t")  # [hidden, V]
-        h = self.scale_embedding(g.op("Gather", g.weight("embed"), "input_ids", axis=0))
-        for layer in range(c.num_layers):
-            a = self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"), *self.layer_inputs(layer))
-            h = g.op("Add", h, self.post_norm(a, layer, "attn"))
-            m = self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm"))
-            h = g.op("Add", h, self.post_norm(m, layer, "mlp"),
-                     outputs=[f"l{layer}_out_residual"])[0]  # named: export/parts.py cuts there
-        g.op("MatMul", self.rms_norm(h, "final_norm"), head, outputs=["logits"])  # [B, AR, V]
+        h = self.decoder(self.scale_embedding(self.embed("input_ids")))  # [B, AR, hidden], final-normed
+        g.op("MatMul", h, head, outputs=["logits"])  # [B, AR, V]
         model = g.model(name=name, inputs=inputs, outputs=outputs,
                         doc=f"staticlm {name} (HTP style): AR={s.ar}, P={s.past_len}, S={s.context}")
         # onnx shape inference does not know this ORT op; without a declared type the quantizer skips

@@ -75,7 +75,13 @@ def write_weights(config: ModelConfig, hf: dict[str, np.ndarray], writer: Weight
 
 
 class LlamaGraph:
-    """Builds one family member; all members reference the same weight tensors."""
+    """Builds one family member; all members reference the same weight tensors.
+
+    The decoder layer is written once (`decoder`), for every graph kind: the float graphs here, the HTP style
+    (htp_style.py), the CPU target (export/cpu/graph.py) and the segmented graphs of both targets. What a target
+    changes plugs in: the attention body (`layer_attention`), the norms (`rms_norm`, and `add_norm`, the residual
+    add and the next norm, which the CPU target fuses into one node) and the MLP gate's `activation`.
+    """
 
     def __init__(self, config: ModelConfig, shape: GraphShape, *, weights: WeightFileWriter) -> None:
         self.c, self.s = config, shape
@@ -196,17 +202,34 @@ class LlamaGraph:
             return h
         return self.g.op("Mul", h, self.g.const(self.c.embedding_scale, np.float32))
 
+    def decoder(self, h: str) -> str:
+        """Embedded rows [B, AR, hidden] -> the final-normed rows [B, AR, hidden]: every layer, pre-norm residual
+        blocks, with Gemma 3's sandwich norms (post_norm) where the architecture has them."""
+        num_layers = self.c.num_layers
+        x = self.rms_norm(h, "l0.attn_norm")
+        for layer in range(num_layers):
+            a = self.post_norm(self.layer_attention(layer, x), layer, "attn")
+            x, h = self.add_norm(a, h, f"l{layer}.mlp_norm", tag=f"l{layer}_mlp")
+            m = self.post_norm(self.mlp(layer, x), layer, "mlp")
+            following = f"l{layer + 1}.attn_norm" if layer + 1 < num_layers else "final_norm"
+            x, h = self.add_norm(m, h, following, tag=f"l{layer}_out")  # export/parts.py cuts at l{L}_out_residual
+        return x
+
+    def add_norm(self, x: str, residual: str, weight: str, *, tag: str) -> tuple[str, str]:
+        """(the norm of residual + x, residual + x), the sum named {tag}_residual."""
+        total = self.g.op("Add", residual, x, outputs=[f"{tag}_residual"])[0]
+        return self.rms_norm(total, weight), total
+
+    def layer_attention(self, layer: int, x: str) -> str:
+        """x [B, AR, hidden] (normed) -> the attention block's output [B, AR, hidden], with the layer's own RoPE
+        rows and mask (a local layer's)."""
+        return self.attention(layer, x, *self.layer_inputs(layer))
+
     def build(self, name: str):
         g, c, s = self.g, self.c, self.s
         inputs, outputs = graph_io(c, s)
-        h = self.scale_embedding(self.embed("input_ids"))  # [B, AR, hidden]
-        for layer in range(c.num_layers):
-            a = self.attention(layer, self.rms_norm(h, f"l{layer}.attn_norm"), *self.layer_inputs(layer))
-            h = g.op("Add", h, self.post_norm(a, layer, "attn"))
-            m = self.mlp(layer, self.rms_norm(h, f"l{layer}.mlp_norm"))
-            h = g.op("Add", h, self.post_norm(m, layer, "mlp"),
-                     outputs=[f"l{layer}_out_residual"])[0]  # named: export/parts.py cuts there
-        h = g.op("Reshape", self.rms_norm(h, "final_norm"), g.const([s.batch * s.ar, c.hidden_size]))
+        h = self.decoder(self.scale_embedding(self.embed("input_ids")))  # [B, AR, hidden]
+        h = g.op("Reshape", h, g.const([s.batch * s.ar, c.hidden_size]))
         logits = self.lm_head(h)  # [B AR, V]
         g.op("Reshape", logits, g.const([s.batch, s.ar, c.vocab_size]), outputs=["logits"])
         return g.model(name=name, inputs=inputs, outputs=outputs,

@@ -2,8 +2,8 @@
 
 Two engines decode B sequences that start from one prefilled prompt: a batched Engine (engine.py: each row holds
 its own copy of the prompt's rows, `load_prefix` copies them once per request) and SegmentEngine
-(segment_engine.py: the prompt's rows read in place by every row). Their callers (batch.py, batch_speculative.py)
-ask only for what this protocol names.
+(segment_engine.py: the prompt's rows read in place by every row). Their callers (generate/rows.py,
+speculative/batch_speculative.py) ask only for what this protocol names.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ class EngineOptions:
     kv_reserve: float = 2.0
     overflow: Overflow = Overflow.ERROR
     bmc_r: int | None = None
-    share_weights: bool = True  # one weight mapping for all CPU sessions (see shared_weights.py)
+    share_weights: bool = True  # one weight mapping for all CPU sessions (runtime/family/weights.py's SharedWeights)
     prepack: bool = False  # multi-row graphs keep a repacked weight copy each: faster batches/verify, more memory
     run_parts: bool = False  # run every graph as its chain of layer-group parts (a family exported with --parts N)
     prefill_workers: int = 1  # KV-Runahead: workers that prefill a long prompt's chunks in parallel (runahead.py)

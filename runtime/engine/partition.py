@@ -1,4 +1,4 @@
-"""KV-Runahead's context partition: how many prompt rows each worker takes (seed 003, section 4.2).
+"""KV-Runahead's context partition: how many prompt rows each worker takes.
 
 Earlier chunks are longer on purpose: they attend to fewer rows, and a later worker waits on them. The split is
 searched offline on this host (`staticlm bench --only runahead`: binary search for 2 workers, the hierarchical
@@ -16,7 +16,7 @@ from pathlib import Path
 from staticlm.runtime.engine.ladder import cache_path
 
 TABLE_NAME = "runahead_partition.json"
-GRID_POINTS = 5  # values per boundary at each level of the grid search (the seed's Figure 6)
+GRID_POINTS = 5  # values per boundary at each level of the grid search (each level narrows around the best one)
 MAX_GRID = 20_000  # grid points per level; more boundaries than that allows search 3 values each
 
 Cost = Callable[[list[int]], float]  # chunk sizes -> seconds (a measured or modelled TTFT)
@@ -143,7 +143,7 @@ def grid_search(cost: Cost, num_tokens: int, num_workers: int, *, align: int = 1
 
 
 def modeled_ttft(sizes: list[int], *, group_seconds: Callable[[int, int, int], float], num_groups: int) -> float:
-    """The seed's chain as a model: worker i runs group g once it ran group g - 1 and worker i - 1 ran group g, each
+    """The workers' chain as a model: worker i runs group g once it ran group g - 1 and worker i - 1 ran group g, each
     worker on its own core. group_seconds(g, c, s): group g over c rows after s cached ones (measured on this host)."""
     finished = [0.0] * num_groups  # when the previous worker finished each group
     start = 0

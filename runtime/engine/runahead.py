@@ -1,11 +1,12 @@
-"""KV-Runahead (seed 003): a long prompt prefilled by several workers into the one KV cache.
+"""KV-Runahead: a long prompt prefilled by several workers into the one KV cache.
 
 The prompt is split into contiguous chunks, one per worker (partition.py). Worker i runs every layer group
 (the family's parts, export/parts.py) over its chunk, in prompt-graph sub-chunks of AR rows. Before running group
 g it waits until workers 0..i-1 have written their rows of group g's layers; then its GroupQueryAttention reads
 those rows straight from the kv_manager's buffers and appends its own rows there (the in-place layout: past and
 present are the same buffer, each worker writing only its own rows). Nothing is copied between workers; the one
-sync is a per-group count of rows ready (RowSync), a one-way chain per layer group as in the seed.
+sync is a per-group count of rows ready (RowSync), a one-way chain per layer group: worker i never waits on a later
+worker.
 
 Workers are threads, each with its own ONNX Runtime sessions and intra-op thread count: ORT releases the GIL
 while a graph runs, so threads run in parallel without the shared memory a process pool would need for the KV

@@ -1,4 +1,5 @@
-"""The I/O contract of segmented batched graphs (GraphKind.SEGMENT): segment KV, seed 004 section 3.2.
+"""The I/O contract of segmented batched graphs (GraphKind.SEGMENT): the prompt's K/V
+read once by B sequences, each sequence's own rows apart.
 
 A segmented graph runs B sequences that answer one prompt. Its past comes in two segments:
 
@@ -34,6 +35,8 @@ def segment_graph_io(config: ModelConfig, shape: GraphShape, *, kv_dtype: str = 
         TensorSpec("rope_cos", Role.ROPE_COS, "float32", (b, 1, ar, d)),  # [B, 1, AR, D]
         TensorSpec("rope_sin", Role.ROPE_SIN, "float32", (b, 1, ar, d)),  # [B, 1, AR, D]
         TensorSpec("attention_bias", Role.ATTENTION_BIAS, "float32", (b, 1, ar, p + ar)),  # [B, 1, AR, P + AR]
+        # a local layer's mask covers the prompt too (its window may end inside it): [B, 1, AR, P_prompt + P + AR]
+        *_local_inputs(config, shape, bias_len=2 * p + ar, rope="float32", mask="float32"),
     ]
     outputs = [TensorSpec("logits", Role.LOGITS, "float32", (b, ar, config.vocab_size))]  # [B, AR, V]
     for layer in range(config.num_layers):
@@ -45,6 +48,19 @@ def segment_graph_io(config: ModelConfig, shape: GraphShape, *, kv_dtype: str = 
                 outputs += [TensorSpec(kv_name(new, layer, h, seq), new, kv_dtype, (1, 1, ar, d), layer, h, seq)
                             for seq in range(b)]  # [1, 1, AR, D]
     return tuple(inputs), tuple(outputs)
+
+
+def _local_inputs(config: ModelConfig, shape: GraphShape, *, bias_len: int, rope: str, mask: str
+                  ) -> list[TensorSpec]:
+    """The local layers' own RoPE rows and sliding mask (Gemma 3), over every row a segmented step sees. The graph
+    builders take them; no family's segmented graphs have local layers yet (the exporters leave them out, as the
+    engines do not fill these inputs)."""
+    if not config.local_layers:
+        return []
+    b, ar, d = shape.batch, shape.ar, config.head_dim
+    return [TensorSpec("rope_cos_local", Role.ROPE_COS_LOCAL, rope, (b, 1, ar, d)),  # [B, 1, AR, D]
+            TensorSpec("rope_sin_local", Role.ROPE_SIN_LOCAL, rope, (b, 1, ar, d)),  # [B, 1, AR, D]
+            TensorSpec("attention_bias_local", Role.ATTENTION_BIAS_LOCAL, mask, (b, 1, ar, bias_len))]
 
 
 def static_segment_graph_io(config: ModelConfig, shape: GraphShape, *, prompt_len: int, dtypes: IODtypes | None = None
@@ -62,13 +78,12 @@ def static_segment_graph_io(config: ModelConfig, shape: GraphShape, *, prompt_le
     b, ar, p, d = shape.batch, shape.ar, shape.past_len, config.head_dim
     if b < 2:
         raise ValueError(f"a segmented graph is batched, got batch {b}")
-    if config.local_layers:
-        raise ValueError("segmented graphs do not model sliding-window layers")
     inputs = [
         TensorSpec("input_ids", Role.INPUT_IDS, "int64", (b, ar)),
         TensorSpec("rope_cos", Role.ROPE_COS, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
         TensorSpec("rope_sin", Role.ROPE_SIN, dt.rope, (b, 1, ar, d)),  # [B, 1, AR, D]
         TensorSpec("attention_bias", Role.ATTENTION_BIAS, dt.mask, (b, 1, ar, prompt_len + p + ar)),
+        *_local_inputs(config, shape, bias_len=prompt_len + p + ar, rope=dt.rope, mask=dt.mask),
     ]
     outputs = [TensorSpec("logits", Role.LOGITS, dt.logits, (b, ar, config.vocab_size))]  # [B, AR, V]
     for layer in range(config.num_layers):

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from staticlm.runtime.generate.placement import Where
 from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
 from staticlm.runtime.generate.rows import Rows
 from staticlm.runtime.generate.running import RunningSequence, new_sequences
@@ -72,12 +73,11 @@ class Admission:
 
 
 class Admissions:
-    """The admitted requests whose prompts are being prefilled, oldest first; model, lane, rows, scheduler and
-    cache: the loop's; use_cache: whether prompts start from cached prefixes."""
+    """The admitted requests whose prompts are being prefilled, oldest first; lane, rows, scheduler and cache: the
+    loop's; use_cache: whether prompts start from cached prefixes."""
 
-    def __init__(self, *, model, lane, rows: Rows, scheduler: RowScheduler, cache: PromptCache,
-                 use_cache: bool) -> None:
-        self.model, self.lane, self.rows, self.scheduler, self.cache = model, lane, rows, scheduler, cache
+    def __init__(self, *, lane, rows: Rows, scheduler: RowScheduler, cache: PromptCache, use_cache: bool) -> None:
+        self.lane, self.rows, self.scheduler, self.cache = lane, rows, scheduler, cache
         self.use_cache = use_cache
         self.pending: deque[Admission] = deque()
 
@@ -94,7 +94,7 @@ class Admissions:
     def on_lane(self, request: SequenceRequest) -> bool:
         """Whether the request runs alone on the lane, its choices mirrored (a greedy one on rows that would not
         give it the lane's bits, Rows.greedy_exact)."""
-        return self.rows.available and not self.rows.greedy_exact and request.params.sampling.is_greedy
+        return self.rows.place(greedy=request.params.sampling.is_greedy) is Where.LANE
 
     def _admissible_on_segment(self) -> list[tuple[SequenceRequest, int]]:
         """Rows that read one prompt segment: while it is bound, the requests that extend it; else one request, and
@@ -123,7 +123,7 @@ class Admissions:
     @property
     def max_prefill_tokens(self) -> int:
         """Prompt tokens a step prefills (rows decode between steps)."""
-        return PREFILL_CHUNKS_PER_STEP * self.model.engine.prefill_len
+        return PREFILL_CHUNKS_PER_STEP * self.lane.engine.prefill_len
 
     def prefill_chunk(self) -> tuple[bool, Admission | None]:
         """Up to max_prefill_tokens of the next admitted prompt (_next) on the lane, alone too: a request that
@@ -246,7 +246,7 @@ class Admissions:
         """The prefilled request's choices take their rows (the lane's KV loaded into them, unless one choice runs
         alone on the lane); returns the rows and their sequences."""
         request, on_lane = adm.request, self.on_lane(adm.request)
-        seqs = new_sequences(request, tokenizer=self.model.tokenizer, prompt_ids=request.prompt_ids, mirrored=on_lane)
+        seqs = new_sequences(request, tokenizer=self.lane.tokenizer, prompt_ids=request.prompt_ids, mirrored=on_lane)
         self.scheduler.unreserve(adm.num_rows - len(seqs))  # a mirrored request's other choices take no row
         solo = on_lane or (adm.num_rows == 1 and not self.scheduler.busy_rows() and not self.pending
                            and not self.scheduler.num_waiting) or not self.rows.available

@@ -29,6 +29,7 @@ import numpy as np
 from staticlm.errors import InvalidOption
 from staticlm.kv_manager import ContextFull, Overflow
 from staticlm.runtime.generate.admission import Admission, Admissions
+from staticlm.runtime.generate.loop_parts import LoopParts
 from staticlm.runtime.generate.prompt_cache import PromptCache, common_prefix
 from staticlm.runtime.generate.rows import Rows
 from staticlm.runtime.generate.running import RunningSequence, choose, push
@@ -45,18 +46,19 @@ from staticlm.runtime.generate.text_stream import FinishReason
 
 
 class GenerationLoop:
-    """model: opened once (model.py); max_queue: requests that may wait beyond the rows free now (QueueFull past
-    it); prompt_cache: reuse the rows' cached prefixes; eager: open the rows' graphs now (a server), not when a
-    second sequence first needs them; rows: force "copies" or "segments" (see rows.py)."""
+    """parts: the lane, the speculator factory and the options the loop reads (loop_parts.py; Model.loop_parts);
+    max_queue: requests that may wait beyond the rows free now (QueueFull past it); prompt_cache: reuse the rows'
+    cached prefixes; eager: open the rows' graphs now (a server), not when a second sequence first needs them; rows:
+    force "copies" or "segments" (see rows.py)."""
 
-    def __init__(self, model, *, max_queue: int = 64, prompt_cache: bool = True, eager: bool = False,
+    def __init__(self, parts: LoopParts, *, max_queue: int = 64, prompt_cache: bool = True, eager: bool = False,
                  rows: str | None = None) -> None:
-        self.model, self.use_cache = model, prompt_cache
-        self.lane = model.generator
-        self.rows = Rows(model, eager=eager, kind=rows)
+        self.parts, self.use_cache = parts, prompt_cache
+        self.lane = parts.lane
+        self.rows = Rows(parts, eager=eager, kind=rows)
         self.scheduler: RowScheduler = RowScheduler(num_rows=self.rows.num_rows, max_queue=max_queue)
         self.cache = PromptCache(self.rows.num_rows)
-        self.admissions = Admissions(model=model, lane=self.lane, rows=self.rows, scheduler=self.scheduler,
+        self.admissions = Admissions(lane=self.lane, rows=self.rows, scheduler=self.scheduler,
                                      cache=self.cache, use_cache=prompt_cache)
         self.num_steps = 0
         self.num_cancelled = 0  # choices that ended because their client went away
@@ -67,7 +69,7 @@ class GenerationLoop:
 
     @property
     def max_context(self) -> int:
-        return self.model.engine.max_context
+        return self.lane.engine.max_context
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -89,7 +91,7 @@ class GenerationLoop:
 
     def _slides(self, request: SequenceRequest) -> bool:
         """One choice under the slide policy runs past the context on the lane (its oldest rows slide out)."""
-        return self.model.engine.options.overflow is Overflow.SLIDE and request.num_choices == 1
+        return self.lane.engine.options.overflow is Overflow.SLIDE and request.num_choices == 1
 
     # -- the engine's thread ------------------------------------------------------------------------
     def step(self) -> bool:
@@ -311,7 +313,7 @@ class GenerationLoop:
                 "prompt_cache_lookups": stats.num_lookups, "prompt_cache_hits": stats.num_hits,
                 "prompt_cache_tokens": stats.num_cached_tokens, "decode_steps": self.num_steps,
                 "cancelled": self.num_cancelled,
-                "kv_bytes": self.model.engine.kv.stats.reserved_bytes + self.rows.kv_bytes}
+                "kv_bytes": self.lane.engine.kv.stats.reserved_bytes + self.rows.kv_bytes}
 
 
 __all__ = ["GenerationLoop"]

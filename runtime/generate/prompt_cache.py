@@ -1,7 +1,7 @@
 """Which token sequences the batch rows still hold, for reuse by the next prompt (llama-server's cache_prompt).
 
 A finished sequence's KV stays in its row. A chat client re-sends the whole conversation every turn, so the
-next turn's prompt usually starts with a row's tokens (the last prompt and its answer); the batcher then copies
+next turn's prompt usually starts with a row's tokens (the last prompt and its answer); the loop then copies
 that prefix to the prefill engine once and prefills only what follows. Each row keeps its own prefix: clients
 that take turns with different system prompts each find theirs in a row. A new sequence overwrites a row it
 mostly repeats (the same conversation a turn on), else an empty row, else the least recently used one. Pure

@@ -18,24 +18,41 @@ from staticlm.errors import InvalidOption
 from staticlm.runtime.engine.engine import Engine
 from staticlm.runtime.engine.segment_engine import SegmentEngine, has_segments
 from staticlm.runtime.family.manifest import GraphKind
+from staticlm.runtime.generate.loop_parts import LoopParts
+from staticlm.runtime.generate.placement import (
+    FamilyFacts,
+    Where,
+    greedy_exact,
+    num_rows,
+    pairs_batch_step,
+    place,
+    rows_kind,
+)
 from staticlm.runtime.generate.running import RunningSequence
 
 
+def family_facts(lane: Engine, *, shared_prompt_kv: bool) -> FamilyFacts:
+    """What placement.py reads of the lane's family and the run options."""
+    copies = max((g.shape.batch for g in lane.manifest.graphs if g.kind is GraphKind.DECODE), default=1)
+    segmented = max((g.shape.batch for g in lane.manifest.graphs if g.kind is GraphKind.SEGMENT), default=1)
+    return FamilyFacts(num_copy_rows=copies, num_segment_rows=segmented,
+                       can_segment=segmented > 1 and has_segments(lane, segmented),
+                       exact_attention=lane.manifest.exact_attention, pairs_rows=lane.pairs_rows,
+                       shared_prompt_kv=shared_prompt_kv)
+
+
 class Rows:
-    def __init__(self, model, *, eager: bool = False, kind: str | None = None) -> None:
+    def __init__(self, parts: LoopParts, *, eager: bool = False, kind: str | None = None) -> None:
         """kind: "copies" or "segments" to compare them (a benchmark); None: the family's and the options' choice."""
-        self.model = model
-        lane = model.engine
-        copies = max((g.shape.batch for g in lane.manifest.graphs if g.kind is GraphKind.DECODE), default=1)
-        segmented = max((g.shape.batch for g in lane.manifest.graphs if g.kind is GraphKind.SEGMENT), default=1)
-        can_segment = segmented > 1 and has_segments(lane, segmented)
-        use_segments = can_segment and (copies == 1 or model.options.shared_prompt_kv if kind is None
-                                        else kind == "segments")
-        self.kind = "segments" if use_segments else "copies" if copies > 1 else None
-        self.num_rows = segmented if use_segments else copies
+        self.parts = parts
+        lane = parts.lane.engine
+        self.facts = family_facts(lane, shared_prompt_kv=parts.shared_prompt_kv)
+        self.kind = rows_kind(self.facts, forced=kind)
+        self.num_rows = num_rows(self.facts, self.kind)
         self.unavailable = (None if self.kind else
                             f"{lane.model_dir}: its batched graphs read one shared prompt segment, which --on-overflow "
-                            "slide cannot keep; use --on-overflow error, or one response at a time" if segmented > 1
+                            "slide cannot keep; use --on-overflow error, or one response at a time"
+                            if self.facts.num_segment_rows > 1
                             else f"{lane.model_dir} has no batched graphs for several responses: export it with "
                             "--batch-sizes")
         self._engine: Engine | SegmentEngine | None = None
@@ -66,9 +83,12 @@ class Rows:
         the prompt segment, the response buffer and the new rows apart, where the lane's GroupQueryAttention sums
         one buffer: the last bits differ, and the linears' int8 activations carry them into the logits. Where the
         lane keeps the promise (Engine.pairs_rows), a greedy request on such rows runs on the lane instead
-        (admission.py)."""
-        lane = self.model.engine
-        return self.kind != "segments" or lane.manifest.exact_attention or not lane.pairs_rows
+        (admission.py; the rule: placement.greedy_exact)."""
+        return greedy_exact(self.facts, self.kind)
+
+    def place(self, *, greedy: bool) -> Where:
+        """Where a request's choices decode (placement.place)."""
+        return place(self.facts, self.kind, greedy=greedy)
 
     @property
     def shares_segment(self) -> bool:
@@ -89,7 +109,7 @@ class Rows:
         return self._engine if self._engine is not None else self.open()
 
     def open(self) -> Engine | SegmentEngine:
-        lane, speculates = self.model.engine, self.model.speculates
+        lane, speculates = self.parts.lane.engine, self.parts.speculates
         if self.kind == "segments":
             self._engine = SegmentEngine.beside(lane, batch=self.num_rows)
         else:
@@ -100,7 +120,7 @@ class Rows:
                 "responses without --speculate" if self.kind == "segments"
                 else f"export it with --batch-sizes {self.num_rows}"))
         self._engine.warm_up(verify=speculates)
-        self.speculator = self.model.speculator(num_sequences=self.num_rows, engine=self._engine)
+        self.speculator = self.parts.speculator(num_sequences=self.num_rows, engine=self._engine)
         return self._engine
 
     @property
@@ -141,9 +161,9 @@ class Rows:
         out.clear()
         # Rows run beside their previous token only where a greedy row needs the bits (RunningSequence.exact): a
         # paired step puts twice the rows through every linear layer, whose time grows with its rows on the CPU
-        paired = any(s.exact for s in seqs.values())
+        paired = pairs_batch_step(s.exact for s in seqs.values())
         # Without --speculate the speculator only drafts into the row a paired step pays for anyway (Model.speculator)
-        drafts = paired or self.model.speculates
+        drafts = paired or self.parts.speculates
         if self.speculator is not None and drafts and all(s.plain for s in seqs.values()):
             for r in range(self.num_rows):
                 seq = seqs.get(r)

@@ -1,6 +1,6 @@
 """Continuous batching's bookkeeping: which batch row serves which sequence, and who waits for a row.
 
-Pure Python, no model: `ContinuousBatcher` (continuous.py) asks it, at each step boundary, which waiting
+Pure Python, no model: the generation loop (loop.py, admission.py) asks it, at each step boundary, which waiting
 requests can take rows now, and tells it when a row is taken or given back. A request that needs n rows (n
 choices) waits in one bounded FIFO queue; the head is admitted first, so a large request is never starved by
 small ones behind it. `submit` is called from other threads (HTTP handlers); everything else runs on the

@@ -1,6 +1,6 @@
-"""What a caller hands the continuous batcher, and the events it gets back (see continuous.py).
+"""What a caller hands the generation loop, and the events it gets back (see loop.py).
 
-A request is one prompt and n choices. Events arrive on the batcher's thread through `on_event`; a front end
+A request is one prompt and n choices. Events arrive on the loop's thread through `on_event`; a front end
 passes them on to wherever its client waits (an asyncio queue, for the HTTP server).
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ class SequenceRequest:
     cancelled: bool = field(default=False, init=False)
 
     def cancel(self) -> None:
-        """Any thread: the batcher frees the request's rows (or drops it from the queue) at the next step."""
+        """Any thread: the loop frees the request's rows (or drops it from the queue) at the next step."""
         self.cancelled = True
 
 
