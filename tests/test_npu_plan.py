@@ -78,6 +78,13 @@ def test_the_family_holds_the_plan_and_decodes_through_its_token_graph(plan_fami
     assert engine.verify_lens == (4, TINY_PREFILL)
 
 
+def test_the_bench_measures_a_family_whose_token_graph_decodes(plan_family):
+    """`staticlm bench` sizes its runs by the largest context a decode step reaches: here the token graph's."""
+    from staticlm.apps.bench.command import _max_context
+
+    assert _max_context(plan_family) == max(TINY_CONTEXTS)
+
+
 def _greedy(engine: Engine, num_tokens: int) -> tuple[list[int], list[np.ndarray]]:
     logits, tokens, seen = engine.prefill(PROMPT).copy(), [], []
     for _ in range(num_tokens):

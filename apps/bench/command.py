@@ -14,6 +14,7 @@ from pathlib import Path
 
 from staticlm.apps.commands.eval_metrics import held_out_text
 from staticlm.apps.models import ensure_default_model
+from staticlm.runtime.engine.graphs import token_graphs
 from staticlm.runtime.family.manifest import GraphKind, load_manifest
 from staticlm.runtime.model import open_tokenizer
 
@@ -64,7 +65,9 @@ def _load() -> str:
 
 
 def _max_context(model_dir: Path) -> int:
-    decode = load_manifest(model_dir).graphs_of(GraphKind.DECODE)
+    manifest = load_manifest(model_dir)
+    # an NPU plan's family decodes in its token graph (a k-row verify graph) and has no decode graph
+    decode = manifest.graphs_of(GraphKind.DECODE) or token_graphs(manifest.graphs_of(GraphKind.PREFILL))
     if not decode:
         raise BenchError(f"{model_dir} has no decode graph")
     return decode[-1].shape.context
