@@ -73,6 +73,9 @@ class Model:
         options = options.replace(model_dir=model_dir)
         check_draft_model(options.speculate_options())
         engine = Engine(options.model_dir, options=options.engine_options())
+        token_rows = engine.graphs.decode[0].shape.ar
+        if options.speculate is None and token_rows > 1:  # the NPU plan's token graph: drafts ride in its rows
+            options = options.replace(speculate="lookup", draft_len=options.draft_len or token_rows - 1)
         if warm_up:
             engine.warm_up(verify=options.speculate_options().mode is not SpeculateMode.NONE)
         return cls(engine, options=options)

@@ -68,8 +68,9 @@ class RunOptions:
                              "kernels, whose rows need no pairing): faster decode, but a greedy answer may then "
                              "change with the prompt cache, the batch or speculation",
                              reloads=True)
-    speculate: str = option("none", "speculative decoding: none, lookup or draft:DIR",
-                            metavar="{none,lookup,draft:DIR}", reloads=True)
+    speculate: str | None = option(None, "speculative decoding: none, lookup or draft:DIR (default: lookup, its "
+                                   "drafts filling the rows, on a family whose token graph verifies several rows, "
+                                   "the NPU plan's; none elsewhere)", metavar="{none,lookup,draft:DIR}", reloads=True)
     draft_len: int | None = option(None, "fixed draft length (default: BASS's dynamic one)", low=1, reloads=True)
     # -- each answer -----------------------------------------------------------------------------------
     max_new_tokens: int = option(256, "most tokens an answer may have", low=1, app_default=512)

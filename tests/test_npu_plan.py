@@ -327,3 +327,23 @@ def test_balanced_groups_keep_the_fewest_count_and_never_a_larger_part(rng):
         balanced = balanced_groups(per_layer, max_bytes=max_bytes)
         assert len(balanced) == len(greedy) and balanced[0][0] == 0 and balanced[-1][1] == len(per_layer)
         assert max(sum(per_layer[a:b]) for a, b in balanced) <= max(sum(per_layer[a:b]) for a, b in greedy)
+
+
+def test_a_token_graph_family_speculates_by_lookup_unless_told_not_to(plan_family):
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
+
+    for speculate in (None, "none"):
+        model = Model.open(plan_family, RunOptions(device="cpu", num_threads=THREADS, speculate=speculate))
+        assert model.speculates is (speculate is None)
+        assert (model.options.draft_len == PLAN.token_len - 1) is (speculate is None)  # the drafts fill its rows
+    answers = {}
+    for extra in ((), ("--speculate", "none")):
+        proc = staticlm("generate", "--model", plan_family, "--device", "cpu", "--no-chat", "--json",
+                        "--prompt", "abc abc abc abc abc abc abc abc abc", "--temperature", "0",
+                        "--max-new-tokens", "16", *extra)
+        assert proc.returncode == 0, proc.stderr
+        answers[extra] = json.loads(proc.stdout)
+    plain, drafted = answers[("--speculate", "none")], answers[()]
+    assert drafted["token_ids"] == plain["token_ids"]
+    assert drafted["drafted_tokens"] > 0 and "drafted_tokens" not in plain

@@ -104,7 +104,7 @@ class SettingsDialog(QDialog):
         self.speculate = QComboBox()
         self.speculate.setEditable(True)  # draft:DIR is typed
         self.speculate.addItems(["none", "lookup"])
-        self.speculate.setCurrentText(settings.speculate)
+        self.speculate.setCurrentText(settings.speculate or "none")
         self.speculate.setToolTip("lookup: drafts copied from the conversation, verified in one call (same output, "
                                   "faster on rewrites and edits); draft:DIR: a smaller exported model drafts")
         form.addRow("Speculative decoding", self.speculate)
