@@ -19,6 +19,7 @@ from staticlm.export.family import ExportOptions, export_family
 from staticlm.export.htp.options import QuantOptions
 from staticlm.export.htp.plan import GraphPlan
 from staticlm.runtime.engine.engine import Engine, EngineOptions
+from staticlm.runtime.engine.graphs import token_graphs
 from staticlm.runtime.family.quant_params import KVBits, Quant
 from staticlm.runtime.session.device import Device, DeviceOptions
 
@@ -170,8 +171,10 @@ def test_manifest_agrees_with_the_files(tiny_q16):
 
 # -- numerics ---------------------------------------------------------------------------------------------
 def scored(family: Path, device: DeviceOptions = CPU) -> tuple[Engine, np.ndarray]:
+    """TEXT teacher-forced; the 60 rows the 4-row token graph's window holds at context 64 (its last rows are its
+    own)."""
     engine = Engine(family, options=EngineOptions(device=device))
-    return engine, engine.score(np.frombuffer(TEXT, np.uint8).astype(np.int64))
+    return engine, engine.score(np.frombuffer(TEXT[:TINY_CONTEXTS[-1] - 4], np.uint8).astype(np.int64))
 
 
 def dequantized_kv(engine: Engine) -> np.ndarray:
@@ -202,7 +205,7 @@ def _activation_scales(path: Path) -> dict[str, float]:
 
 def test_weights_per_channel_with_a_16_bit_head(tiny_q16):
     """Read from the file: projections 8-bit symmetric per output channel, the head 16-bit per vocab column."""
-    g = onnx.load(str(tiny_q16 / "decode_s32.onnx"), load_external_data=False).graph
+    g = onnx.load(str(tiny_q16 / "prefill_s32_ar4.onnx"), load_external_data=False).graph
     inits = {i.name: i for i in g.initializer}
     dq = {n.input[0]: n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
     head, proj = dq["lm_head_t_quantized"], dq["l0.q_quantized"]
@@ -221,8 +224,8 @@ def test_first_token_runs_alone_in_its_own_sink_graph(tiny_q16):
 
     manifest = load_manifest(tiny_q16)
     (sink,) = manifest.graphs_of(GraphKind.SINK)
-    decode = manifest.graphs_of(GraphKind.DECODE)[0]
-    assert sink.shape == decode.shape and sink.file != decode.file
+    decode = token_graphs(manifest.graphs_of(GraphKind.PREFILL))[0]  # what decodes every later token
+    assert sink.shape.ar == 1 and sink.shape.context == decode.shape.context and sink.file != decode.file
     sink_scales, decode_scales = (_activation_scales(tiny_q16 / g.file) for g in (sink, decode))
     assert sink_scales.keys() == decode_scales.keys() and len(sink_scales) > 50
     assert sum(sink_scales[k] != decode_scales[k] for k in sink_scales) > len(sink_scales) // 2
@@ -328,7 +331,7 @@ def test_q4_1_source_keeps_its_grid(family, levels_type, request, tiny_hf_dir):
     from staticlm.export.sources import load_model
 
     directory = request.getfixturevalue(family)
-    model = onnx.load(str(directory / "decode_s64.onnx"))  # weights loaded from the family's file
+    model = onnx.load(str(directory / "prefill_s64_ar4.onnx"))  # weights loaded from the family's file
     inits = {i.name: i for i in model.graph.initializer}
     dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
 
@@ -359,7 +362,7 @@ def test_w4a16_of_a_float_source_rounds_each_block_to_nearest(tiny_w4, tiny_hf_d
     from onnx.reference import ReferenceEvaluator
     from safetensors.numpy import load_file
 
-    model = onnx.load(str(tiny_w4 / "decode_s64.onnx"))
+    model = onnx.load(str(tiny_w4 / "prefill_s64_ar4.onnx"))
     inits = {i.name: i for i in model.graph.initializer}
     source = {}
     for f in tiny_hf_dir.glob("*.safetensors"):
@@ -519,11 +522,11 @@ def test_compile_per_graph_contexts_are_what_later_loads_use(tiny_q16, tmp_path)
 
 @pytest.mark.htp
 def test_compile_graphs_compiles_only_the_graphs_that_match(tiny_q16, tmp_path):
-    """`--graphs 'decode_*'`: those graphs' contexts, each reported against the SoC's limit, and no other."""
+    """`--graphs 'prefill_s32*'`: those graphs' contexts, each reported against the SoC's limit, and no other."""
     directory = _htp_copy(tiny_q16, tmp_path)
-    proc = staticlm("compile", "--model", directory, "--per-graph", "--graphs", "decode_*")
+    proc = staticlm("compile", "--model", directory, "--per-graph", "--graphs", "prefill_s32*")
     assert proc.returncode == 0, proc.stderr
-    decodes = {p.stem for p in directory.glob("decode_*.onnx")}
+    decodes = {p.stem for p in directory.glob("prefill_s32*.onnx")}
     assert decodes and len(decodes) < len(list(directory.glob("*.onnx")))
     compiled = {p.name.split(".")[0] for p in (directory / ".qnn_cache").glob("*_ctx.onnx")}
     assert compiled == decodes
@@ -540,8 +543,8 @@ def test_compile_refuses_a_float_family(tiny_family, tmp_path):
 def test_compile_graphs_names_the_graphs_when_none_match(tiny_q16, tmp_path):
     directory = _htp_copy(tiny_q16, tmp_path)
     assert_one_line_error(staticlm("compile", "--model", directory, "--per-graph", "--graphs", "nothing*"),
-                          "matches --graphs 'nothing*' (its graphs: decode_s")
-    assert_one_line_error(staticlm("compile", "--model", directory, "--graphs", "decode_*"), "needs --per-graph")
+                          "matches --graphs 'nothing*' (its graphs: prefill_s")
+    assert_one_line_error(staticlm("compile", "--model", directory, "--graphs", "prefill_*"), "needs --per-graph")
 
 
 # -- SmolLM2 on the CPU EP ---------------------------------------------------------------------------------

@@ -18,7 +18,14 @@ from conftest import THREADS, TINY_CONTEXTS, TINY_PREFILL
 from test_cli_errors import assert_one_line_error, staticlm
 
 from staticlm.export.family import ExportError, ExportOptions
-from staticlm.export.parts import PartTooLarge, add_parts, auto_groups, groups_by_bytes, weight_bytes_by_layer
+from staticlm.export.parts import (
+    PartSizing,
+    PartTooLarge,
+    add_parts,
+    auto_groups,
+    groups_by_bytes,
+    weight_bytes_by_layer,
+)
 from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.engine.parts import ChainRunner
 from staticlm.runtime.family.manifest import load_manifest
@@ -159,10 +166,12 @@ def test_parts_options_are_refused_in_one_line_before_the_export(tiny_hf_dir, tm
     assert not (tmp_path / "family").exists()
     with pytest.raises(InvalidOption, match="--target htp"):
         ExportRequest(parts="auto", target="cpu")
-    with pytest.raises(InvalidOption, match="use them with --parts auto"):
+    with pytest.raises(InvalidOption, match="size the parts --target htp chooses: leave out --parts N"):
         ExportRequest(parts="2", target="htp", soc_model="57")
-    assert ExportRequest(parts="auto", target="htp").parts_plan() == (None, 2 << 30)
-    assert ExportRequest(parts=" Auto", target="htp", soc_model="69", max_context_bytes=5).parts_plan() == (None, 5)
+    assert ExportRequest(parts="auto", target="htp").parts_plan()[1].max_context_bytes == 2 << 30
+    assert ExportRequest(target="htp").parts_plan() == ExportRequest(parts="auto", target="htp").parts_plan()
+    auto = ExportRequest(parts=" Auto", target="htp", soc_model="69", max_context_bytes=5, compile_memory="3G")
+    assert auto.parts_plan() == (None, PartSizing(max_context_bytes=5, compile_memory=3 << 30))
     assert ExportRequest(parts="3", target="cpu").parts_plan() == (3, None)
     assert [parse_bytes(t) for t in ("2000", "1K", "1.5M", "2G", "2gb")] == [2000, 1024, 3 << 19, 2 << 30, 2 << 30]
     with pytest.raises(InvalidOption, match="a byte count"):
