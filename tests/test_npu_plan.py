@@ -206,13 +206,10 @@ def test_export_prints_the_plan_and_each_contexts_bytes_and_compile_memory(tiny_
 
 # -- compile, one part at a time ---------------------------------------------------------------------------------
 def _htp_family(plan_family: Path, tmp_path: Path) -> Path:
-    from test_htp import _htp_available
+    """A copy cut as a device-sized family: the embedding, two layer groups, the head."""
+    from test_htp import _htp_copy
 
-    reason = _htp_available()
-    if reason:
-        pytest.skip(reason)
-    family = tmp_path / "family"
-    shutil.copytree(plan_family, family)
+    family = _htp_copy(plan_family, tmp_path)
     n = load_manifest(family).model.num_layers
     add_parts(family, groups=[(0, 0), (0, 1), (1, n), (n, n)])
     return family
