@@ -143,6 +143,7 @@ def test_ctrl_c_mid_export_ends_at_once_and_leaves_the_output_as_it_was(tiny_hf_
     before = file_sha256(out / "manifest.json")
     proc = subprocess.Popen([sys.executable, "-m", "staticlm.apps.cli", "export", "--model", str(tiny_hf_dir),
                              "--target", "htp", "--quant", "w8a16", "--calib-steps", "2", "--context", "128,256",
+                             "--prefill-len", "16",
                              "--out", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".family.staging.*")) and proc.poll() is None and time.monotonic() < deadline:
