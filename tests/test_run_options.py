@@ -18,6 +18,7 @@ from staticlm.runtime.options import RunOptions, flag, run_option_fields  # noqa
 # A value other than the default for every run option, each one that the tiny float family can run with.
 TYPED = {
     "device": "cpu", "num_threads": 1, "soc_model": "69", "kv_strategy": "bmc", "kv_reserve": 3.0,
+    "qnn_options": ("htp_graph_finalization_optimization_mode=1",),
     "overflow": "slide", "bmc_r": 8, "prepack": True, "shared_prompt_kv": True, "lone_rows": True,
     "speculate": "lookup", "draft_len": 3, "max_new_tokens": 5,
     "temperature": 0.5, "top_k": 7, "top_p": 0.9, "min_p": 0.01, "repetition_penalty": 1.2, "seed": 1,
