@@ -248,3 +248,35 @@ def test_the_int8_peak_probe_reports_a_rate_for_each_thread_count():
 
     one = int8_mac_peak(1, seconds=0.05, num_repeats=1)
     assert one is not None and 1e8 < one < 1e13  # MACs/s: above 0.1 G, below any CPU core's reach
+
+
+def test_an_unknown_baseline_revision_is_refused_in_one_line(tiny_family, tmp_path):
+    proc = staticlm("bench", "--model", tiny_family, "--peers", "none", "--baseline", "no-such-rev", "--out",
+                    tmp_path / "o")
+    assert_one_line_error(proc, "--baseline: no commit 'no-such-rev'")
+    assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_the_baseline_worker_imports_the_revisions_own_tree(monkeypatch, tmp_path, tiny_family):
+    from staticlm.apps.bench import baseline
+
+    if not (baseline.REPO / ".git").exists():
+        pytest.skip("staticlm is not run from a git checkout here (--baseline needs one)")
+    monkeypatch.setenv("STATICLM_PEERS", str(tmp_path))
+    built = []
+    monkeypatch.setattr(baseline, "_build_kernels", lambda tree, log: built.append(tree))
+    commit = subprocess.run(["git", "-C", str(baseline.REPO), "rev-parse", "HEAD~1"], capture_output=True,
+                            text=True).stdout.strip()
+    name, model = baseline.prepare_baseline("HEAD~1", model_dir=tiny_family, log=lambda _: None)
+    assert name == f"staticlm@{commit[:9]}" and model.system == "staticlm" and model.model == str(tiny_family)
+    tree = tmp_path / "baselines" / commit / "staticlm"
+    assert built == [tree] and model.worker == tree / "apps" / "bench" / "worker.py"
+    old = subprocess.run(["git", "-C", str(baseline.REPO), "show", f"{commit}:apps/bench/worker.py"],
+                         capture_output=True, text=True).stdout
+    assert model.worker.read_text() == old
+    env = {**os.environ, "PYTHONPATH": model.pythonpath}
+    where = subprocess.run([sys.executable, "-c", "import staticlm; print(staticlm.__file__)"], capture_output=True,
+                           text=True, env=env, cwd=tmp_path).stdout.strip()
+    assert where == str(tree / "__init__.py")
+    baseline.prepare_baseline(commit, model_dir=tiny_family, log=lambda _: None)
+    assert len(built) == 1  # made once per commit

@@ -29,6 +29,7 @@ from .base import (
     parse_contexts,
     parse_peers,
 )
+from .baseline import resolve_revision
 from .bmc import bench_bmc
 from .memory import bench_memory
 from .report import print_table, write_outputs
@@ -113,6 +114,8 @@ def check_options(options: BenchOptions) -> None:
         raise BenchError(f"--threads must be >= 1, got {options.threads}")
     if options.long_gen is not None and options.long_gen < 2:
         raise BenchError(f"--long-gen must be >= 2, got {options.long_gen}")
+    if options.baseline is not None:
+        resolve_revision(options.baseline)
 
 
 def run_bench(options: BenchOptions, *, benchmarks: tuple[tuple[str, Benchmark], ...] = BENCHMARKS,
@@ -176,5 +179,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     run_bench(BenchOptions(model_dir=args.model, threads=args.threads, contexts=parse_contexts(args.contexts),
                            prompt_len=args.prompt_len, peers=parse_peers(args.peers), out_dir=args.out,
                            quick=args.quick, long_gen=args.long_gen, windows_model=args.windows_model,
-                           only=tuple(x.strip() for x in (args.only or "").split(",") if x.strip())))
+                           only=tuple(x.strip() for x in (args.only or "").split(",") if x.strip()),
+                           baseline=args.baseline))
     return 0

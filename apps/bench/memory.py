@@ -16,6 +16,7 @@ from pathlib import Path
 from staticlm.runtime.family.manifest import load_manifest
 
 from .base import BenchContext, Row
+from .baseline import baseline_systems
 from .peers import Peer, PeerModel, PeerUnavailable, prepare, run_worker
 from .speed import peer_gguf, workload
 
@@ -60,6 +61,7 @@ def bench_memory(ctx: BenchContext) -> list[Row]:
             systems[Peer.LLAMACPP.value] = prepare(Peer.LLAMACPP, gguf=gguf, log=ctx.log)
         except PeerUnavailable as e:
             skipped[Peer.LLAMACPP.value] = str(e)
+    systems.update(baseline_systems(ctx))
     # A cpu family's packed store made now, in a process of its own (so no generation below counts the child that
     # makes it, and this process's peak does not pass to the workers it starts)
     subprocess.run([sys.executable, "-m", "staticlm.apps.cli", "generate", "--model", str(ctx.model_dir), "--prompt",
@@ -68,7 +70,7 @@ def bench_memory(ctx: BenchContext) -> list[Row]:
     for name, model in systems.items():
         ctx.log(f"  {name}: one {ctx.prompt_len}-token prompt and {ctx.decode_steps} tokens ...")
         try:
-            results[name] = run_worker(name, python=model.python, task="memory",
+            results[name] = run_worker(name, model, task="memory",
                                        workload={**workload(ctx, model.model), "repeats": 1})
         except PeerUnavailable as e:
             if name == "staticlm":

@@ -41,6 +41,9 @@ class PeerUnavailable(Exception):
 class PeerModel:
     python: str  # the interpreter that runs the worker
     model: str  # what the worker loads: a directory or the GGUF file
+    worker: Path = WORKER  # the worker script (a baseline revision's own, baseline.py)
+    pythonpath: str | None = None  # put first on the worker's PYTHONPATH (a baseline revision's tree)
+    system: str | None = None  # the worker's system when it is not the row's name (staticlm@REV runs "staticlm")
 
 
 def peer_cache() -> Path:
@@ -112,9 +115,10 @@ def prepare(peer: Peer, *, gguf: Path, log) -> PeerModel:
     return PeerModel(python, str(hf))
 
 
-def run_worker(system: str, *, python: str, workload: dict, timeout_s: float = 3600, task: str = "speed") -> dict:
-    """Run worker.py for one system and task (speed, memory); its JSON result, or PeerUnavailable with the error's
-    last line."""
+def run_worker(system: str, model: PeerModel, *, workload: dict, timeout_s: float = 3600,
+               task: str = "speed") -> dict:
+    """Run model's worker for one system and task (speed, memory); its JSON result, or PeerUnavailable with the
+    error's last line."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload, f)
         path = f.name
@@ -122,8 +126,10 @@ def run_worker(system: str, *, python: str, workload: dict, timeout_s: float = 3
         # The peer's own environment, minus anything that would change its thread count behind our back.
         env = {**os.environ, "OMP_NUM_THREADS": str(workload["threads"]),
                "MKL_NUM_THREADS": str(workload["threads"]), "TOKENIZERS_PARALLELISM": "false"}
-        done = subprocess.run([python, str(WORKER), system, path, task], capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
+        if model.pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [model.pythonpath, env.get("PYTHONPATH")]))
+        done = subprocess.run([model.python, str(model.worker), model.system or system, path, task],
+                              capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise PeerUnavailable(f"{system} did not finish within {timeout_s:.0f} s") from None
     finally:

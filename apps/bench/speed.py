@@ -12,6 +12,7 @@ from staticlm.runtime.family.manifest import load_manifest
 from staticlm.runtime.generate.prompt_cache import common_prefix
 
 from .base import BenchContext, Row
+from .baseline import baseline_systems
 from .compute import int8_mac_peak, prompt_macs_per_token
 from .peers import PeerModel, PeerUnavailable, prepare, run_worker
 from .traffic import decode_weight_bytes, gguf_decode_bytes, kv_read_bytes, read_bandwidth
@@ -85,6 +86,7 @@ def bench_speed(ctx: BenchContext) -> list[Row]:
         except PeerUnavailable as e:
             skipped[peer.value] = str(e)
             ctx.log(f"  skipped {peer.value}: {e}")
+    systems.update(baseline_systems(ctx))
     # Rounds, every system once per round, best per metric: on a shared machine a busy minute then hits
     # one round of everyone rather than all of one system's measurements.
     results: dict[str, dict] = {}
@@ -92,7 +94,7 @@ def bench_speed(ctx: BenchContext) -> list[Row]:
         for name, model in list(systems.items()):
             ctx.log(f"  round {round_ + 1}/{ctx.options.repeats}: {name} ...")
             try:
-                result = run_worker(name, python=model.python, workload={**workload(ctx, model.model), "repeats": 1})
+                result = run_worker(name, model, workload={**workload(ctx, model.model), "repeats": 1})
             except PeerUnavailable as e:
                 if name == "staticlm":
                     raise RuntimeError(f"our own worker failed: {e}") from None
