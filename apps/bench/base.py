@@ -43,9 +43,9 @@ class BenchOptions:
     # KV in place (GroupQueryAttention graphs have no windows to manage)
     windows_model: Path | None = None
     only: tuple[str, ...] = ()  # the row sets to run (command.BENCHMARKS' names); (): all of them
-    # A git revision of staticlm run beside this one in the speed and memory rounds (baseline.py): a change's
+    # Git revisions of staticlm run beside this one in the speed and memory rounds (baseline.py): a change's
     # before and after in one run
-    baseline: str | None = None
+    baselines: tuple[str, ...] = ()
 
     @property
     def decode_steps(self) -> int:

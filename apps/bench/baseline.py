@@ -75,15 +75,17 @@ def prepare_baseline(rev: str, *, model_dir: Path, log) -> tuple[str, PeerModel]
 
 
 def baseline_systems(ctx: BenchContext) -> dict[str, PeerModel]:
-    """{`staticlm@REV`: its worker} when --baseline names a revision, else {}; a revision that cannot run here is
-    a skipped peer with its reason (its tree is made on the first row set that asks)."""
-    rev = ctx.options.baseline
-    if rev is None:
-        return {}
-    try:
-        name, model = prepare_baseline(rev, model_dir=ctx.model_dir, log=ctx.log)
-    except PeerUnavailable as e:
-        ctx.extra.setdefault("skipped_peers", {})[f"staticlm@{rev}"] = str(e)
-        return {}
-    return {name: model}
+    """{`staticlm@REV`: its worker} for each revision --baseline names (none: {}); a revision that cannot run here
+    is a skipped peer with its reason (its tree is made on the first row set that asks)."""
+    systems = {}
+    for rev in ctx.options.baselines:
+        try:
+            name, model = prepare_baseline(rev, model_dir=ctx.model_dir, log=ctx.log)
+        except PeerUnavailable as e:
+            ctx.extra.setdefault("skipped_peers", {})[f"staticlm@{rev}"] = str(e)
+            continue
+        systems[name] = model
+    return systems
+
+
 __all__ = ["baseline_systems", "prepare_baseline", "resolve_revision"]

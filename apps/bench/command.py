@@ -114,8 +114,8 @@ def check_options(options: BenchOptions) -> None:
         raise BenchError(f"--threads must be >= 1, got {options.threads}")
     if options.long_gen is not None and options.long_gen < 2:
         raise BenchError(f"--long-gen must be >= 2, got {options.long_gen}")
-    if options.baseline is not None:
-        resolve_revision(options.baseline)
+    for rev in options.baselines:
+        resolve_revision(rev)
 
 
 def run_bench(options: BenchOptions, *, benchmarks: tuple[tuple[str, Benchmark], ...] = BENCHMARKS,
@@ -180,5 +180,5 @@ def run_bench_command(args: argparse.Namespace) -> int:
                            prompt_len=args.prompt_len, peers=parse_peers(args.peers), out_dir=args.out,
                            quick=args.quick, long_gen=args.long_gen, windows_model=args.windows_model,
                            only=tuple(x.strip() for x in (args.only or "").split(",") if x.strip()),
-                           baseline=args.baseline))
+                           baselines=tuple(x.strip() for x in (args.baseline or "").split(",") if x.strip())))
     return 0
