@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import collections
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -165,13 +163,7 @@ def dequantized_state_dict(family: Path, cfg) -> dict:
     """HF weights rebuilt from the family's packed MatMulNBits bytes: W[n, k] = (q - zp) * scale per block."""
     import torch
 
-    # A copy: once the family was opened, its prepacked store hard-links weights.bin, and onnx refuses to read
-    # external data from a file with several links
-    with tempfile.TemporaryDirectory() as scratch:
-        graph = graph_path(family, "decode", ar=1)
-        shutil.copy(graph, scratch)
-        shutil.copy(Path(family) / "weights.bin", scratch)
-        model = onnx.load(str(Path(scratch) / graph.name))  # pulls the external data of weights.bin
+    model = onnx.load(str(graph_path(family, "decode", ar=1)))  # pulls the external data of weights.bin
     t = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
 
     k_attr = {n.input[1][:-2]: onnx.helper.get_node_attr_value(n, "K") for n in model.graph.node

@@ -31,7 +31,7 @@ def _tensor_bytes(gguf: Path) -> int:
 
 
 def _stored_bytes(family: Path) -> int:
-    """weights.bin and every file of the prepacked store, each file (inode) once: a hard link is one copy."""
+    """weights.bin and every file of the prepacked store, each file (inode) once."""
     files = {}
     for path in [family / "weights.bin", *family.glob(".ort_cache/*/*.bin")]:
         stat = path.stat()
