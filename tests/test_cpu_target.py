@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import collections
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -71,8 +69,10 @@ def test_every_linear_and_the_head_are_matmulnbits_and_the_embedding_shares_the_
         assert ops["MatMulNBits"] == 4 * cfg.num_hidden_layers + 1, path.name  # qkv, o, gate_up, down + head
         inits = {t.name: t for t in model.graph.initializer}
         assert ops["Gemm"] == 0, path.name
-        # no float table: the only Gather picks the last rows of a prompt chunk's hidden states for the head
-        assert not [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits], path.name
+        # no float table (the RoPE rows gather from their own small tables, rope.py): the only other Gather picks the
+        # last rows of a prompt chunk's hidden states for the head
+        assert not [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits
+                    and not n.input[0].startswith("rope_")], path.name
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         head = [n for n in nbits if onnx.helper.get_node_attr_value(n, "N") == cfg.vocab_size]
         assert len(head) == 1
@@ -116,12 +116,18 @@ def test_gqa_graphs_append_to_their_buffers_in_place(cpu_families, tiny_hf_model
             layer = node.output[1].rsplit("_", 1)[1]
             assert node.input[3:5] == [f"past_key_{layer}", f"past_value_{layer}"]
             assert list(node.output[1:]) == [f"present_key_{layer}", f"present_value_{layer}"]
-            assert node.input[16] == "query_seqlens" and node.input[9] == "position_ids"
+            assert node.input[16] == "query_seqlens" and not any(node.input[7:10])  # RoPE before it, not inside
         readers = {n.op_type for n in model.graph.node for x in n.input if x in past}
         assert readers == {"GroupQueryAttention"}  # nothing else touches (or copies) the cache
         ops = collections.Counter(n.op_type for n in model.graph.node)
-        for absent in ("Softmax", "Tile", "Expand", "RotaryEmbedding", "Transpose"):  # all inside the fused op
+        for absent in ("Softmax", "Tile", "Expand", "Transpose"):  # all inside the fused op
             assert ops[absent] == 0, (path.name, absent)
+        # q and k rotated before it, with cos/sin of the step's positions, never a table of every position
+        assert ops["RotaryEmbedding"] == 2 * cfg.num_hidden_layers and (ops["Cos"], ops["Sin"]) == (0, 0)
+        rope_bytes = sum(int({e.key: e.value for e in t.external_data}["length"])
+                         for t in model.graph.initializer if t.name.startswith("rope_"))
+        one_table = cfg.max_position_embeddings * cfg.head_dim // 2 * 4  # [positions, D/2] float32
+        assert 0 < rope_bytes < one_table / 2, (rope_bytes, one_table)  # the old tables: 2 x one_table
 
 
 def optimized(path: Path, tmp_path: Path) -> onnx.ModelProto:
@@ -144,9 +150,8 @@ def test_fused_cpu_ops_survive_ort_optimization(cpu_families, tiny_hf_model, tmp
         # The one Tile repeats the small mask for the grouped query rows, never KV.
         assert all(n.input[0] == "attention_bias" for n in nodes if n.op_type in ("Tile", "Expand"))
         assert ops["SkipSimplifiedLayerNormalization"] == 2 * layers and ops["SimplifiedLayerNormalization"] == 1
-        # RoPE: one op for the query heads and one for the KV heads, or inside GroupQueryAttention
-        assert (ops["RotaryEmbedding"], ops["GroupQueryAttention"]) == ((0, layers) if family == "int4" else
-                                                                        (2 * layers, 0))
+        # RoPE: one op for the query heads and one for the KV heads
+        assert (ops["RotaryEmbedding"], ops["GroupQueryAttention"]) == (2 * layers, layers if family == "int4" else 0)
         assert ops["QuickGelu"] == layers  # silu
         assert ops["MatMulNBits"] == 4 * layers + 1 and ops["GatherBlockQuantized"] == 1
         for unfused in ("Pow", "ReduceMean", "Sqrt", "Neg", "Sigmoid"):
@@ -158,13 +163,7 @@ def dequantized_state_dict(family: Path, cfg) -> dict:
     """HF weights rebuilt from the family's packed MatMulNBits bytes: W[n, k] = (q - zp) * scale per block."""
     import torch
 
-    # A copy: once the family was opened, its prepacked store hard-links weights.bin, and onnx refuses to read
-    # external data from a file with several links
-    with tempfile.TemporaryDirectory() as scratch:
-        graph = graph_path(family, "decode", ar=1)
-        shutil.copy(graph, scratch)
-        shutil.copy(Path(family) / "weights.bin", scratch)
-        model = onnx.load(str(Path(scratch) / graph.name))  # pulls the external data of weights.bin
+    model = onnx.load(str(graph_path(family, "decode", ar=1)))  # pulls the external data of weights.bin
     t = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
 
     k_attr = {n.input[1][:-2]: onnx.helper.get_node_attr_value(n, "K") for n in model.graph.node

@@ -269,3 +269,33 @@ def test_a_flag_for_one_source_stays_out_of_the_record(monkeypatch, tmp_path):
     monkeypatch.setitem(build.SOURCE_FLAGS, "gguf_avx2.c", ["-mavx2", "-mfma", "-mf16c"])
     assert build.build(tmp_path) is None
     assert kernels.read_target(tmp_path / build.LIBRARY_NAME)[1] == frozenset()
+
+
+C11_CHECK = ["-std=c11", "-D_GNU_SOURCE", "-pedantic-errors", "-Werror=vla", "-Wall", "-Werror", "-fsyntax-only"]
+
+
+@needs_cc
+@pytest.mark.parametrize("compiler", [CC, "aarch64-linux-gnu-gcc"])
+def test_the_c_is_iso_c11_without_arrays_of_run_time_length(compiler):
+    """MSVC has no variable-length arrays (C11 made them optional) and no GNU extensions: every source must be ISO
+    C11 as GCC's -pedantic-errors reads it, on x86-64 and (where Debian's cross compiler is installed, `make
+    arm64-cross`) ARM64, whose NEON files are compiled only there."""
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler} on this machine (Debian's gcc-aarch64-linux-gnu)")
+    failed = {}
+    for source in build.sources():
+        done = subprocess.run([compiler, *C11_CHECK, "-I", str(KERNELS), str(source)], capture_output=True, text=True)
+        if done.returncode:
+            failed[source.name] = done.stderr.strip().splitlines()[:3]
+    assert failed == {}
+
+
+def test_msvc_and_clang_cl_get_c11_and_avx2_only_where_the_cpu_was_checked():
+    """build.py's flags for MSVC and clang-cl (CI runs neither): C11, and /arch:AVX2 on the x86-64 files that run
+    only after have_avx2() (never gguf_avx2.c, which asks it, nor a file with a portable path); on ARM64 none."""
+    assert "/std:c11" in build.MSVC_FLAGS and not [f for f in build.MSVC_FLAGS if f.startswith("-")]
+    names = [source.name for source in build.sources()]
+    avx2 = {n for n in names if build.source_flags(n, msvc=True, machine="AMD64") == ["/arch:AVX2"]}
+    assert avx2 == {"gguf_avx2_group.c", "gguf_avx2_one.c", "gguf_avx2_tile.c"}
+    assert all(build.source_flags(n, msvc=True, machine="ARM64") == [] for n in names)
+    assert all(not build.source_flags(n, msvc=True, machine="AMD64") for n in names if n not in avx2)

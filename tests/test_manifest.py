@@ -12,6 +12,7 @@ from staticlm.export.parts import add_parts
 from staticlm.runtime.engine.parts import NoParts, part_entries, part_layers
 from staticlm.runtime.family.manifest import (
     FORMAT_VERSION,
+    IN_PLACE_ROPE_VERSION,
     MANIFEST_NAME,
     READABLE_VERSIONS,
     TYPED_FIELDS_VERSION,
@@ -146,3 +147,18 @@ def test_custom_ops_are_read_and_a_version_5_manifest_has_none(family_copy):
     del data["custom_ops"]
     _write(family_copy, {**data, "format_version": 5})
     assert load_manifest(family_copy).custom_ops == ()
+
+
+def test_an_in_place_cpu_family_before_the_split_rope_is_refused_in_one_line(family_copy):
+    """Its in-place graphs read a stored RoPE table whose rows differ in their last bits from the host's rows, which
+    its segmented graphs take: refused, asking to re-export. Other families of that version still load."""
+    data = _data(family_copy)
+    _write(family_copy, {**data, "format_version": IN_PLACE_ROPE_VERSION - 1})
+    assert load_manifest(family_copy).format_version == IN_PLACE_ROPE_VERSION - 1  # a per-head family: as before
+    _write(family_copy, {**data, "format_version": IN_PLACE_ROPE_VERSION - 1, "kv_layout": "in_place"})
+    with pytest.raises(ManifestError, match="re-export"):
+        load_manifest(family_copy)
+    assert_one_line_error(staticlm("generate", "--model", family_copy, "--prompt", "hi", "--device", "cpu"),
+                          "--target cpu family", "re-export the model")
+    _write(family_copy, {**data, "format_version": IN_PLACE_ROPE_VERSION, "kv_layout": "in_place"})
+    assert load_manifest(family_copy).kv_layout.value == "in_place"

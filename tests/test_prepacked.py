@@ -13,7 +13,7 @@ from conftest import THREADS, TINY_CONTEXTS, TINY_PREFILL, graph_path
 
 from staticlm.runtime.engine.engine import Engine, EngineOptions
 from staticlm.runtime.session.device import Device, DeviceOptions
-from staticlm.runtime.session.prepacked import PACKED_FILE, packed_bytes, store_dir
+from staticlm.runtime.session.prepacked import PACKED_FILE, packed_bytes, prepared_path, store_dir
 
 CPU = EngineOptions(device=DeviceOptions(device=Device.CPU, num_threads=THREADS))
 
@@ -45,6 +45,11 @@ def _store(family: Path) -> Path:
     return store_dir(family, load_manifest(family).weights_sha256)
 
 
+def _prepared(family: Path) -> list[Path]:
+    """The optimized graphs the store's sessions load (beside the family's own graphs)."""
+    return sorted(family.glob(f".{_store(family).name}.*.prepacked"))
+
+
 def _external(model: onnx.ModelProto) -> dict[str, dict[str, str]]:
     return {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
             if t.data_location == onnx.TensorProto.EXTERNAL}
@@ -67,19 +72,17 @@ def test_sessions_read_the_packed_file_and_graphs_share_its_blobs(families):
     engine = Engine(family, options=CPU)
     engine.prefill(list(range(3, 3 + TINY_PREFILL + 1)))  # the prompt-chunk graph, then a decode graph
     store = _store(family)
-    graphs = sorted(store.glob("*.onnx"))
-    assert len(graphs) >= 2
+    assert len(_prepared(family)) >= 2
     size = packed_bytes(store)
     engine.load_all()  # every other graph of the family: their weights are the same bytes
-    assert packed_bytes(store) <= size + (64 << 10) * len(list(store.glob("*.onnx")))
-    for path in store.glob("*.onnx"):
+    assert packed_bytes(store) <= size + (64 << 10) * len(_prepared(family))
+    packed_location = f".ort_cache/{store.name}/{PACKED_FILE}"
+    for path in _prepared(family):
         model = onnx.load(str(path), load_external_data=False)
         external = _external(model)
-        # the store's own file, and the family's weights.bin itself (a hard link: one copy) for what ORT left as is
+        # the store's own file, and the family's weights.bin itself, in place, for what ORT left as is
         locations = {e["location"] for e in external.values()}
-        assert PACKED_FILE in locations and locations <= {PACKED_FILE, "weights.bin"}
-        if "weights.bin" in locations:
-            assert os.path.samefile(store / "weights.bin", family / "weights.bin")
+        assert packed_location in locations and locations <= {packed_location, "weights.bin"}
         packed = {n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"}
         assert packed and all(any(k.startswith("prepacked") for k in external[name]) for name in packed), path
 
@@ -89,7 +92,7 @@ def test_the_stored_graph_computes_what_the_source_graph_computes(families, rng)
     family = families["gqa"]
     Engine(family, options=CPU).warm_up()
     source = graph_path(family, "decode", ar=1)
-    stored = _store(family) / source.name
+    stored = prepared_path(source, _store(family))
     from staticlm.runtime.family.manifest import load_manifest
 
     cfg = load_manifest(family).model
@@ -176,16 +179,72 @@ def test_a_family_gives_back_the_scales_its_packed_blobs_hold(families):
 
     engine = Engine(families["gqa"], options=CPU)
     engine.warm_up()
-    graph = _store(families["gqa"]) / "in_place.onnx"
+    graph = prepared_path(families["gqa"] / "in_place.onnx", _store(families["gqa"]))
     model = onnx.load(str(graph), load_external_data=False)
     external = _external(model)
     ranges = read_once_ranges(graph)
-    offsets = {(Path(e["location"]).name, int(e.get("offset", 0))) for e in external.values()}
+    offsets = {(e["location"], int(e.get("offset", 0))) for e in external.values()}
     listed = {(name, offset) for name, spans in ranges.items() for offset, _ in spans}
     assert listed <= offsets
     for node in model.graph.node:
         if node.op_type == "MatMulNBits" and node.input[2] in external:
             scales = external[node.input[2]]
-            assert (Path(scales["location"]).name, int(scales.get("offset", 0))) in listed
+            assert (scales["location"], int(scales.get("offset", 0))) in listed
             assert not any(k.startswith("prepacked") for k in scales)  # never a packed blob
     assert any(n.op_type == "MatMulNBits" for n in model.graph.node)
+
+
+def _tensor_keys(path: Path, ranges) -> set[str]:
+    import hashlib
+
+    with open(path, "rb") as f:
+        data = f.read()
+    return {hashlib.sha256(data[o:o + n]).hexdigest() for o, n in ranges}
+
+
+def test_the_weight_file_keeps_one_link_and_the_store_no_copy_of_it(families):
+    """The store reads weights.bin in place (no hard link: onnx refuses to load a graph whose external data has
+    several links), and holds none of its tensors a second time."""
+    family = families["gqa"]
+    Engine(family, options=CPU).warm_up()
+    weights = family / "weights.bin"
+    assert os.stat(weights).st_nlink == 1
+    source = graph_path(family, "decode", ar=1)
+    assert onnx.load(str(source), load_external_data=True).graph.initializer  # no "potential hardlink attack"
+    prepared = prepared_path(source, _store(family))
+    assert onnx.load(str(prepared), load_external_data=True).graph.initializer  # in place, and the store's file
+    # nothing in the store but packed.bin holds data; and packed.bin none of weights.bin's tensors (its packed
+    # tensors aside: ORT reads their blobs from their own file)
+    store = _store(family)
+    others = [p for p in store.rglob("*") if p.is_file() and p.name != PACKED_FILE]
+    assert sum(p.stat().st_size for p in others) < 64 << 10, others
+    external = _external(onnx.load(str(source), load_external_data=False))
+    in_weights = _tensor_keys(weights, [(int(e.get("offset", 0)), int(e["length"])) for e in external.values()])
+    copied = [(int(e.get("offset", 0)), int(e["length"])) for e in _external(onnx.load(str(prepared),
+              load_external_data=False)).values() if e["location"].endswith(PACKED_FILE)
+              and not any(k.startswith("prepacked") for k in e)]
+    assert not _tensor_keys(store / PACKED_FILE, copied) & in_weights
+
+
+def test_a_store_that_hard_linked_the_weights_is_rebuilt(families, tmp_path):
+    """An older staticlm's store: weights.bin hard-linked into it, its graphs and their stamps there (and none of
+    this version's graphs). Opened now, the link goes (weights.bin readable by onnx again), the packed file is kept,
+    and the answers are the same."""
+    import shutil
+
+    family = tmp_path / "family"
+    shutil.copytree(families["gqa"], family, ignore=shutil.ignore_patterns(".*"))
+    ids = list(range(3, 3 + TINY_PREFILL + 5))
+    first = Engine(family, options=CPU).prefill(ids)
+    store = _store(family)
+    for path in [*_prepared(family), *store.glob("*.prepared")]:  # as the older store was: its graphs inside
+        path.unlink()
+    os.link(family / "weights.bin", store / "weights.bin")
+    shutil.copy(family / "in_place.onnx", store / "in_place.onnx")
+    (store / "in_place.source").write_text(f"{'0' * 64} {packed_bytes(store)} weights.bin")
+    size = packed_bytes(store)
+    assert os.stat(family / "weights.bin").st_nlink == 2
+    again = Engine(family, options=CPU).prefill(ids)
+    np.testing.assert_array_equal(again, first)
+    assert os.stat(family / "weights.bin").st_nlink == 1 and not list(store.glob("*.onnx"))
+    assert packed_bytes(store) == size  # its blobs were there already

@@ -25,6 +25,7 @@ from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import GraphShape, Role, kv_name
 
 from .options import CpuOptions
+from .rope import PositionRope
 
 
 class CpuGraph(Protocol):
@@ -41,6 +42,8 @@ class CpuGraph(Protocol):
     def rms_norm(self, x: str, weight: str) -> str: ...
 
     def split_probs(self, probs: str, layer: int = 0) -> list[str]: ...
+
+    def position_rope(self, *, local: bool = False) -> PositionRope: ...
 
 MS_DOMAIN = "com.microsoft"
 

@@ -30,6 +30,7 @@ from .gqa import attention as gqa_attention
 from .linears import FLOAT_BITS, OFFSET_BLOCK, LinearPlan, MatMulPart
 from .options import CpuAttention, CpuOptions, WeightBits
 from .quant import block_sum_matrix, correction_rows
+from .rope import PositionRope
 from .weights import EMBED, HEAD, write_cpu_weights
 
 __all__ = ["CpuAttention", "CpuLlamaGraph", "CpuOptions", "WeightBits", "write_cpu_weights"]
@@ -50,6 +51,7 @@ class CpuLlamaGraph(LlamaGraph):
         self._writer = weights
         self._split_sizes: dict[bool, str] = {}  # [P, AR] for split_probs (by local or not), built on first use
         self._ropes: dict[bool, RopeTables] = {}  # the windows body's RoPE inputs (by local or not), on first use
+        self._position_ropes: dict[bool, PositionRope] = {}  # the in-place bodies' RoPE (by local or not), likewise
         self._biases: dict[bool, str] = {}  # and its grouped masks
 
     # -- the decoder layer's plug-ins (export/graph/llama.py's LlamaGraph.decoder) ------------------------------
@@ -85,6 +87,12 @@ class CpuLlamaGraph(LlamaGraph):
         if local not in self._ropes:
             self._ropes[local] = RopeTables(self, local=local)
         return self._ropes[local]
+
+    def position_rope(self, *, local: bool = False) -> PositionRope:
+        """The RoPE of position_ids every layer of the kind (local or not) reads, made once per graph."""
+        if local not in self._position_ropes:
+            self._position_ropes[local] = PositionRope(self.g, self.c, local=local)
+        return self._position_ropes[local]
 
     def grouped_bias(self, *, local: bool = False) -> str:
         if local not in self._biases:

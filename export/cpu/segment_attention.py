@@ -111,7 +111,7 @@ class SegmentCpuGraph(CpuLlamaGraph):
         a row gets the lane's bits."""
         g, c, s = self.g, self.c, self.s
         b, hkv, d = s.batch, c.num_kv_heads, c.head_dim
-        q, k, v = rotated_qkv(self, layer, x, cos=rope.cos, sin=rope.sin, positions=rope.position_ids)
+        q, k, v = rotated_qkv(self, layer, x, rope=rope)
         for t, role in ((k, Role.NEW_KEY), (v, Role.NEW_VALUE)):  # [B, AR, Hkv D] -> one [1, 1, AR, D] per slot
             heads = to_heads(self, t, num_heads=hkv)  # [B, Hkv, AR, D]
             rows = g.op("Reshape", self._stored(heads), g.const([b * hkv, 1, s.ar, d]))  # same bytes

@@ -16,7 +16,6 @@ from staticlm.export.sources.gguf_grids import FloatWeight, WeightGrid
 from staticlm.export.weight_file import WeightFileWriter
 from staticlm.runtime.family.config import ModelConfig
 
-from .gqa import LOCAL, ROPE_COS, ROPE_SIN, rope_table_type, rope_tables
 from .linears import (
     OFFSET_BLOCK,
     LinearPlan,
@@ -31,6 +30,7 @@ from .linears import (
 )
 from .options import CpuAttention, CpuOptions, GridMinima
 from .quant import BlockQuantizer
+from .rope import rope_weights
 
 HEAD = "head_t"  # the head's linear [hidden, V]; a tied embedding gathers from its table
 EMBED = "embed"  # an untied embedding's own table
@@ -74,12 +74,9 @@ def write_cpu_weights(config: ModelConfig, model, writer: WeightFileWriter, opti
         plans[EMBED] = plans[HEAD]
     else:
         linear(EMBED, ["model.embed_tokens.weight"], head=True)
-    if options.attention is CpuAttention.GQA:  # [max_positions, D/2], shared by every graph and layer
-        suffix, dtype = rope_table_type(config, options)  # the one form the graph reads
-        for local in (False, True) if config.local_layers else (False,):  # the local layers' own RoPE base
-            cos, sin = rope_tables(config, local=local)
-            writer.add(ROPE_COS + (LOCAL if local else "") + suffix, cos.astype(dtype))
-            writer.add(ROPE_SIN + (LOCAL if local else "") + suffix, sin.astype(dtype))
+    if options.attention is CpuAttention.GQA:  # the in-place graphs' RoPE tables (rope.py), shared by every graph
+        for name, table in rope_weights(config).items():
+            writer.add(name, table)
     return plans
 
 

@@ -20,9 +20,15 @@ MAGIC = "staticlm-family"
 # 4: a cpu family's one in-place graph serves every shape (logits_index); 5: `dynamic_past` and `parts` are fields
 # of their own (before, keys of `extra`, where older manifests are still read); 6: `custom_ops`, the op domains
 # beyond ONNX Runtime's that the graphs use (staticlm's GGUF kernels); 7: `exact_attention`, `rows_alone` and
-# `generation_defaults`; older ones load as before
-FORMAT_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # older families are still valid as written
+# `generation_defaults`; 8: a cpu family's in-place graphs compute RoPE from two small tables by the angle-sum
+# identity, as the host computes the rows it feeds other graphs (runtime/engine/rope.py); older ones load as before,
+# but an older in-place cpu family (IN_PLACE_ROPE_VERSION)
+FORMAT_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)  # older families are still valid as written
+# Before it, a cpu family's in-place graphs read RoPE from a stored table of every position, whose rows differ in
+# their last bits from the host's, which its segmented graphs take: a row would attend with other bits there than
+# on the lane (greedy answers depending on the path). Such a family is refused.
+IN_PLACE_ROPE_VERSION = 8
 KNOWN_CUSTOM_OPS = ("staticlm",)  # runtime/kernels
 TYPED_FIELDS_VERSION = 5  # the first version with `dynamic_past` and `parts` outside `extra`
 MANIFEST_NAME = "manifest.json"
@@ -254,6 +260,9 @@ def _parse(d: dict) -> Manifest:
     if version not in READABLE_VERSIONS:
         raise ManifestError(f"manifest format version {version} is not supported (this staticlm reads "
                             f"{FORMAT_VERSION}); re-export the model with this version")
+    if version < IN_PLACE_ROPE_VERSION and d.get("kv_layout") == KVLayout.IN_PLACE.value:
+        raise ManifestError(f"this --target cpu family was exported by an older staticlm (format {version}), whose "
+                            "RoPE this version computes otherwise; re-export the model with this version")
     tok, w = d["tokenizer"], d["weights"]
     model, graphs = ModelConfig.from_dict(d["model"]), tuple(GraphEntry.from_dict(g) for g in d["graphs"])
     extra = d.get("extra") or {}

@@ -9,6 +9,7 @@ it runs inside pip's build environment, before staticlm is importable.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -25,6 +26,7 @@ NOTE_NAME = ".build-note"  # why the library is not built, beside where it would
 # -ffp-contract=off: no fused multiply-add the portable dots do not do (the ARM64 dots are bit-exact against them)
 UNIX_FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-D_GNU_SOURCE", "-fPIC", "-fvisibility=hidden", "-Wall",
               "-Wextra"]
+# MSVC (VS 2019 16.8 or newer: /std:c11) and clang-cl; no /arch for every file (MSVC_SOURCE_FLAGS says which).
 MSVC_FLAGS = ["/O2", "/std:c11", "/W3"]
 # What a family loses where the library is missing (said once, at install and at export).
 LOSS = ("families use ONNX Runtime's MatMulNBits instead: slower per token and 1.3 to 2.7 times the memory "
@@ -35,16 +37,29 @@ LOSS = ("families use ONNX Runtime's MatMulNBits instead: slower per token and 1
 # (say "-march=armv8.2-a+dotprod") as long as the code that calls it checks the CPU first. Never a flag for every
 # file: it would leak into the portable code (ops_register.c records it, and the loader refuses the library).
 SOURCE_FLAGS: dict[str, list[str]] = {}
+# The same on MSVC and clang-cl, x86-64 only: the AVX2 files whose every function runs after gguf_dot.c has asked
+# have_avx2() are compiled for AVX2, so that the code the compiler writes around their intrinsics is VEX-encoded too
+# (no SSE/AVX transitions). gguf_avx2.c holds that check itself and stays baseline.
+MSVC_SOURCE_FLAGS = {name: ["/arch:AVX2"] for name in ("gguf_avx2_group.c", "gguf_avx2_one.c", "gguf_avx2_tile.c")}
+X86_64 = ("x86_64", "amd64")
 
 
 def sources() -> list[Path]:
     return sorted(HERE.glob("*.c"))
 
 
+def source_flags(name: str, *, msvc: bool, machine: str | None = None) -> list[str]:
+    """The flags one source takes beyond every source's. machine: platform.machine() of the build."""
+    if not msvc:
+        return SOURCE_FLAGS.get(name, [])
+    x86 = (machine or platform.machine()).lower() in X86_64
+    return MSVC_SOURCE_FLAGS.get(name, []) if x86 else []
+
+
 def _compile(made, flags: list[str], tmp: str) -> list[str]:
-    """Every source's object file (with its SOURCE_FLAGS), one compiler process per core at a time."""
+    """Every source's object file (with its source_flags), one compiler process per core at a time."""
     def one(source: Path) -> list[str]:
-        extra = [] if made.compiler_type == "msvc" else SOURCE_FLAGS.get(source.name, [])
+        extra = source_flags(source.name, msvc=made.compiler_type == "msvc")
         return made.compile([str(source)], output_dir=tmp, extra_preargs=flags + extra)
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

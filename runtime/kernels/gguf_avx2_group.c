@@ -32,7 +32,7 @@ AVX2 static INLINE void broadcast_eighths(const int8_t* x, __m256i out[4]) {
 /* x's 32 levels dotted with 8 weight rows' interleaved levels: [8] int32, one lane per row. Each eighth of x is
  * broadcast against 4 rows' eighths; the products stay in int16 over the 4 eighths (8 products of at most 31 x 127
  * per lane), then int32. */
-AVX2 static INLINE __m256i dot_eighths(const __m256i levels[4][2], const int8_t* x) {
+AVX2 static INLINE __m256i dot_eighths(__m256i levels[4][2], const int8_t* x) {
   __m256i half_sums[2], eighths[4];
   broadcast_eighths(x, eighths);
   for (int half = 0; half < 2; half++) {

@@ -214,13 +214,25 @@ void q6_group_block(const uint8_t* g, int j, uint8_t block[210]) {
   }
 }
 
-/* Q4_K, Q6_K by groups: each row's blocks put back as the file has them, then the plain row's dot (the same sums) */
+/* Q4_K, Q6_K by groups: each row's blocks put back one at a time as the file has them, each block dotted as the plain
+ * row's dot does it and its term added to the row's running sum in the same order: the same sums, and no buffer of
+ * a whole row (whose length only K decides; C11 compilers need not have arrays of run-time length, MSVC has none) */
+static ActRow act_block(ActRow a, int b) { /* the activation row's part under super-block b */
+  return (ActRow){a.q + b * QK_K, a.d + b, a.sums + b * (QK_K / 16), a.scaled + b * (QK_K / 32)};
+}
+
 #define PORTABLE_BLOCK_GROUP(name, block_bytes, group_bytes, unpack, single)                                  \
   static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) {         \
-    uint8_t row[(k / QK_K) * block_bytes]; /* K / 256 blocks: tens of kilobytes at most */                  \
-    for (int j = 0; j < GROUP; j++) {                                                                         \
-      for (int b = 0; b < k / QK_K; b++) unpack(w + b * group_bytes, j, row + b * block_bytes);              \
-      for (int r = 0; r < rows; r++) out[r * stride + j] = single(row, a[r], k);                             \
+    float total[TILE][GROUP] = {{0.0f}}; /* [row of a][row of the group] */                                    \
+    uint8_t block[block_bytes];                                                                               \
+    for (int b = 0; b < k / QK_K; b++) {                                                                      \
+      for (int j = 0; j < GROUP; j++) {                                                                       \
+        unpack(w + b * group_bytes, j, block);                                                                \
+        for (int r = 0; r < rows; r++) total[r][j] += single(block, act_block(a[r], b), QK_K);               \
+      }                                                                                                       \
+    }                                                                                                         \
+    for (int r = 0; r < rows; r++) {                                                                          \
+      for (int j = 0; j < GROUP; j++) out[r * stride + j] = total[r][j];                                      \
     }                                                                                                         \
   }
 PORTABLE_BLOCK_GROUP(group_q4_k, 144, K4_GROUP_BYTES, k4_group_block, dot_q4_k)

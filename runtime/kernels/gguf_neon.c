@@ -4,9 +4,9 @@
 #if defined(__aarch64__) || defined(_M_ARM64)
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "gguf_neon_parts.h"
+#include "portable.h"
 
 #if defined(__linux__)
 #include <sys/auxv.h>
@@ -61,27 +61,24 @@ int arm_dot_level(void) {
   return cached;
 }
 
-#if !defined(_WIN32)
 NEON_DOTPROD static double int8_mac_rate_dotprod(double seconds) {
   enum { K = 4096, ROWS = 4 };
-  static _Thread_local int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
+  static THREAD_LOCAL int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
   for (int i = 0; i < ROWS * K; i++) x[i] = (int8_t)(i * 37);
   const int8x16_t levels = vdupq_n_s8(11);
   int32x4_t acc[ROWS];
   for (int r = 0; r < ROWS; r++) acc[r] = vdupq_n_s32(0);
-  struct timespec start, now;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+  const double start = thread_cpu_seconds();
   double elapsed = 0.0, passes = 0.0;
   while (elapsed < seconds) {
     for (int pass = 0; pass < 64; pass++) {
       for (int i = 0; i < K; i += 16) {
         for (int r = 0; r < ROWS; r++) acc[r] = vdotq_s32(acc[r], levels, vld1q_s8(x + r * K + i));
       }
-      __asm__ volatile("" ::: "memory"); /* each pass reads x again */
+      COMPILER_BARRIER(); /* each pass reads x again */
     }
     passes += 64;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
-    elapsed = (double)(now.tv_sec - start.tv_sec) + 1e-9 * (double)(now.tv_nsec - start.tv_nsec);
+    elapsed = thread_cpu_seconds() - start;
   }
   int32x4_t total = acc[0];
   for (int r = 1; r < ROWS; r++) total = vaddq_s32(total, acc[r]);
@@ -93,10 +90,9 @@ NEON_DOTPROD static double int8_mac_rate_dotprod(double seconds) {
 /* The calling thread's int8 multiply-accumulate rate through sdot, the instruction the ARM64 dots are built on,
  * the inputs read from L1: MACs per second of the thread's own CPU time over about `seconds` of it; 0 without the
  * dot products. */
-__attribute__((visibility("default"))) double staticlm_int8_mac_rate(double seconds) {
+STATICLM_EXPORT double staticlm_int8_mac_rate(double seconds) {
   return arm_dot_level() >= ARM_DOTPROD ? int8_mac_rate_dotprod(seconds) : 0.0;
 }
-#endif
 #else
 typedef int gguf_neon_is_arm64_only; /* an empty translation unit elsewhere */
 #endif

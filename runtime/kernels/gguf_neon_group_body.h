@@ -5,7 +5,7 @@
 
 /* P[r] = the 8 rows' dots with tile row r's inputs offset .. offset + 8 n (L's first n eighths), in the pairs'
  * order: [rows 0, 1, 4, 5], [rows 2, 3, 6, 7]. */
-LEVEL_ATTR static NEON_INLINE void NAME(pair_dots)(const int8x16_t (*L)[4], const int n, const ActRow* a,
+LEVEL_ATTR static NEON_INLINE void NAME(pair_dots)(int8x16_t (*L)[4], const int n, const ActRow* a,
                                                    const int rows, int offset, int32x4_t P[TILE][2]) {
 #if !USE_MMLA
   /* sdot: a pair's 16 bytes (8 inputs of 2 rows) times the 8 inputs twice -> 4 lanes, 2 per row */
@@ -81,7 +81,7 @@ LEVEL_ATTR static NEON_INLINE void NAME(group_dot_32)(const uint8_t* w, const Ac
 
 /* Q4_K over a group block with one activation row (a decode step): each level vector multiplied as it is unpacked */
 LEVEL_ATTR static NEON_INLINE void NAME(q4_k_group_one)(const block_q4_Kx8* g, const int8_t* x_block,
-                                                        const uint32x4_t scales[2][2], int32x4_t isum[2]) {
+                                                        uint32x4_t scales[2][2], int32x4_t isum[2]) {
   const uint8x16_t m4 = vdupq_n_u8(BROKEN(GGML_Q4_K) ? 14 : 15);
   for (int s = 0; s < 8; s++) {
     const int8_t* x = x_block + 32 * s;

@@ -308,5 +308,5 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
     except Exception as e:  # noqa: BLE001 -- ORT's errors derive from Exception alone
         raise DeviceError(f"ONNX Runtime could not load {path.name}: {str(e).splitlines()[0][:300]}") from None
     if packed is not None:  # the scales its packed blobs now hold: read while opening, not after
-        drop_read_once(packed.directory, read_once_ranges(path))
+        drop_read_once(path.parent, read_once_ranges(path))
     return session

@@ -9,10 +9,12 @@ ORT maps that file instead of packing, so the weights live in the page cache, sh
 process.
 
 A tensor ORT left as the family wrote it and does not pack (every GGUF block matrix the kernels read, norms,
-tables) is not copied: the rewritten graph points at the family's weight file itself, through a hard link in the
-store (ORT refuses external data outside the graph's directory, a symbolic link included), so those weights are on
-disk and in memory once. Where no hard link can be made (another file system), the store copies them. A packed
-tensor is copied beside its blobs (ORT reads both from one file); its own bytes are not read once its blob is.
+tables) is not copied: the rewritten graph is written beside the family's weight file (`prepared_path`, a hidden
+name that no `*.onnx` glob of the family matches) and reads those tensors from that file in place, and the rest from
+`.ort_cache/<key>/packed.bin` by its path under the family (ORT refuses external data outside the graph's directory
+and symbolic links; onnx refuses a hard-linked file, which the weight file must therefore never become). So those
+weights are on disk and in memory once. A packed tensor is copied beside its blobs (ORT reads both from one file);
+its own bytes are not read once its blob is.
 
 The optimizing runs in a child process (`python -m staticlm.runtime.session.prepacked`), so the packing pass's transient
 copy of the weights never counts in the caller's memory.
@@ -78,10 +80,10 @@ def _key(data: memoryview) -> str:
 
 
 class _Source:
-    """The source graph's weight files, hard-linked into the store, and each of its tensors by content:
-    key -> (linked file name, offset, length)."""
+    """The source graph's own weight files, read in place, and each of their tensors by content:
+    key -> (location beside the graph, offset, length)."""
 
-    def __init__(self, graph: Path, directory: Path) -> None:
+    def __init__(self, graph: Path) -> None:
         self.tensors: dict[str, tuple[str, int, int]] = {}
         model = onnx.load(str(graph), load_external_data=False)
         by_file: dict[str, list[tuple[int, int]]] = {}
@@ -91,32 +93,41 @@ class _Source:
                 by_file.setdefault(entries["location"], []).append((int(entries.get("offset", 0)),
                                                                     int(entries["length"])))
         for location, ranges in by_file.items():
-            if not _linked(graph.parent / location, directory / Path(location).name):
-                continue
-            with open(directory / Path(location).name, "rb") as f, \
+            with open(graph.parent / location, "rb") as f, \
                     mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 for offset, length in ranges:
                     key = _key(memoryview(data)[offset:offset + length])
-                    self.tensors.setdefault(key, (Path(location).name, offset, length))
+                    self.tensors.setdefault(key, (location, offset, length))
 
 
-def _linked(source: Path, link: Path) -> bool:
-    """link is source's own file (a hard link made now if missing); False where none can be made."""
-    try:
-        if link.exists() and os.path.samefile(source, link):
-            return True
-        link.unlink(missing_ok=True)
-        os.link(source, link)
-        return True
-    except OSError:
-        return False
+def prepared_path(graph: Path, directory: Path) -> Path:
+    """Where the store `directory` keeps graph's optimized copy: beside graph (so that it reads the family's weight
+    file in place), hidden, named by the store's key, with no .onnx suffix (globs of the family's graphs skip it)."""
+    return graph.parent / f".{directory.name}.{graph.stem}.prepacked"
+
+
+def _drop_stale_links(graph: Path, directory: Path) -> None:
+    """An older store hard-linked the family's weight files into itself (and kept its graphs there): a weight file
+    with a second link is one onnx refuses to read, so the links (and the graphs that read them) go."""
+    sources = [graph.parent / name for name in _locations(graph)]
+    for store in directory.parent.iterdir() if directory.parent.is_dir() else ():
+        for path in store.iterdir() if store.is_dir() else ():
+            if path.suffix == ".onnx" or any(s.is_file() and os.path.samefile(path, s) for s in sources):
+                path.unlink(missing_ok=True)
+
+
+def _store_location(directory: Path) -> str:
+    """packed.bin of the store `directory` as the optimized graphs name it: by its path from the family's directory."""
+    return f"{directory.parent.name}/{directory.name}/{PACKED_FILE}"
 
 
 class _Store:
-    """packed.bin, append-only (mapped regions of running sessions never change), indexed by content hash."""
+    """packed.bin, append-only (mapped regions of running sessions never change), indexed by content hash;
+    location: its path from the family's directory, where the optimized graphs are."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.location = _store_location(directory)
         self.index_path = directory / INDEX_FILE
         self.index: dict[str, list[int]] = json.loads(self.index_path.read_text()) if self.index_path.exists() else {}
         if max((o + n for o, n in self.index.values()), default=0) > packed_bytes(directory):  # cut short: anew
@@ -147,17 +158,17 @@ class _Store:
 
 def _rewrite(tensor: onnx.TensorProto, data: mmap.mmap, store: _Store, source: _Source) -> None:
     """Point an external tensor and its packed blobs (`prepacked_N`: key|offset;length;checksum|...) into the store,
-    the tensor itself into the source's weight file where it has the same bytes there."""
+    the tensor itself into the source's weight file, in place, where it has the same bytes there."""
     entries = {e.key: e.value for e in tensor.external_data}
     offset, length = int(entries.get("offset", 0)), int(entries["length"])
     own = memoryview(data)[offset:offset + length]
     # ORT reads a tensor's packed blobs from its own file: a packed tensor stays beside them, in the store
     packed = any(key.startswith("prepacked") for key in entries)
-    linked = None if packed else source.tensors.get(_key(own))
-    if linked is not None:
-        new = {"location": linked[0], "offset": str(linked[1]), "length": str(linked[2])}
+    in_place = None if packed else source.tensors.get(_key(own))
+    if in_place is not None:
+        new = {"location": in_place[0], "offset": str(in_place[1]), "length": str(in_place[2])}
     else:
-        new = {"location": PACKED_FILE}
+        new = {"location": store.location}
         new["offset"], new["length"] = (str(v) for v in store.put(own))
     for key, value in entries.items():
         if key.startswith("prepacked"):
@@ -174,7 +185,7 @@ def _rewrite(tensor: onnx.TensorProto, data: mmap.mmap, store: _Store, source: _
 
 
 def _optimize(graph: Path, out_dir: Path) -> None:
-    """graph, optimized for this machine, into out_dir/graph.name with its weights and packed blobs in the store."""
+    """graph, optimized for this machine, into prepared_path with its packed blobs in the store out_dir."""
     with tempfile.TemporaryDirectory(prefix=".optimize.", dir=out_dir) as tmp:
         optimized = Path(tmp) / graph.name
         so = ort.SessionOptions()
@@ -188,7 +199,7 @@ def _optimize(graph: Path, out_dir: Path) -> None:
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
         ort.InferenceSession(str(graph), sess_options=so, providers=["CPUExecutionProvider"])
         model = onnx.load(str(optimized), load_external_data=False)
-        store, source = _Store(out_dir), _Source(graph, out_dir)
+        store, source = _Store(out_dir), _Source(graph)
         with open(Path(tmp) / "data.bin", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             for tensor in model.graph.initializer:
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -196,41 +207,46 @@ def _optimize(graph: Path, out_dir: Path) -> None:
         store.close()
         written = Path(tmp) / "model.onnx"
         onnx.save_model(model, str(written))
-        written.replace(out_dir / graph.name)
+        written.replace(prepared_path(graph, out_dir))
 
 
-def _is_current(out: Path, source_sha256: str) -> bool:
-    """Whether out is complete for this source: its stamp (written last) names the source graph's hash, the
-    store's size then, which the store still has, and the linked weight files it reads, which are still there (a
-    store cut short or removed is rebuilt)."""
-    stamp = out.with_suffix(".source")
+def _stamp(graph: Path, directory: Path) -> Path:
+    return directory / f"{graph.stem}.prepared"
+
+
+def _is_current(graph: Path, directory: Path, source_sha256: str) -> bool:
+    """Whether graph's optimized copy is complete for this source: its stamp (written last) names the source graph's
+    hash, the store's size then, which the store still has, and the weight files it reads, which are still there
+    (a store cut short or removed is rebuilt; so is an older staticlm's, whose graphs were in the store)."""
+    out = prepared_path(graph, directory)
     try:
-        sha, size, *links = stamp.read_text().split()
-        return (sha == source_sha256 and out.is_file() and packed_bytes(out.parent) >= int(size)
-                and all((out.parent / link).is_file() for link in links))
+        sha, size, *files = _stamp(graph, directory).read_text().split()
+        return (sha == source_sha256 and out.is_file() and packed_bytes(directory) >= int(size)
+                and all((graph.parent / f).is_file() for f in files))
     except (OSError, ValueError):
         return False
 
 
-def _linked_files(graph: Path) -> list[str]:
-    """The files graph's tensors are read from, other than the store's own."""
+def _locations(graph: Path) -> list[str]:
+    """The files graph's tensors are read from, as its external data names them."""
     model = onnx.load(str(graph), load_external_data=False)
-    return sorted({e.value for t in model.graph.initializer for e in t.external_data
-                   if e.key == "location" and e.value != PACKED_FILE})
+    return sorted({e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"})
 
 
 def prepared_graph(graph: Path, *, source_sha256: str, directory: Path) -> Path:
-    """The store's optimized copy of graph (built now, in a child process, unless it is there for this source)."""
-    out = directory / graph.name
-    if _is_current(out, source_sha256):
-        return out
+    """The optimized copy of graph that reads the store `directory` (built now, in a child process, unless it is
+    there for this source)."""
+    if _is_current(graph, directory, source_sha256):
+        return prepared_path(graph, directory)
     with _locked(directory):
-        if not _is_current(out, source_sha256):
+        if not _is_current(graph, directory, source_sha256):
+            _drop_stale_links(graph, directory)
             subprocess.run([sys.executable, "-m", __name__, str(graph), str(directory)], check=True,
                            stdout=subprocess.DEVNULL)
-            links = " ".join(_linked_files(out))
-            out.with_suffix(".source").write_text(f"{source_sha256} {packed_bytes(directory)} {links}".strip())
-    return out
+            store = _store_location(directory)
+            files = " ".join(f for f in _locations(prepared_path(graph, directory)) if f != store)
+            _stamp(graph, directory).write_text(f"{source_sha256} {packed_bytes(directory)} {files}".strip())
+    return prepared_path(graph, directory)
 
 
 def packed_bytes(directory: Path) -> int:

@@ -29,8 +29,9 @@ _BY_ROWS = {"GatherBlockQuantized"}  # reads the rows it gathers, when it gather
 
 @cache
 def read_once_ranges(graph: Path) -> dict[str, list[tuple[int, int]]]:
-    """file name -> (offset, length) of each external tensor of graph (a prepared graph of the store) that packed
-    MatMulNBits nodes read as scales or zero points, and nothing else reads but a gather of rows."""
+    """file (as graph's external data names it, from graph's directory) -> (offset, length) of each external
+    tensor of graph (a prepared graph of the store) that packed MatMulNBits nodes read as scales or zero points, and
+    nothing else reads but a gather of rows."""
     model = onnx.load(str(graph), load_external_data=False)
     external = {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
                 if t.data_location == onnx.TensorProto.EXTERNAL}
@@ -46,7 +47,7 @@ def read_once_ranges(graph: Path) -> dict[str, list[tuple[int, int]]]:
     for name, once in read_once.items():
         if once and name not in packed:
             entries = external[name]
-            out.setdefault(Path(entries["location"]).name, []).append(
+            out.setdefault(entries["location"], []).append(
                 (int(entries.get("offset", 0)), int(entries["length"])))
     return out
 
