@@ -186,6 +186,34 @@ def test_the_package_lists_every_folder_that_ships():
     assert set(config["packages"]) == packages
 
 
+# Decisions each made in one module: who calls the functions and classes that carry them out. A linear layer of the
+# CPU target: which nodes it is and how its weights are rounded, in export/cpu/linears.py, whose node writers
+# (linear_parts.py) and quantizer (quant.py) write what it says. A second caller would decide again around it (the
+# way weights.py once did, calling linears.py, then quant.py, then linears.py again for one linear).
+SOLE_CALLERS = {r"write_\w+_part|BlockQuantizer": f"{PACKAGE}.export.cpu.linears"}
+
+
+def callers_of(pattern: str) -> dict[str, set[str]]:
+    """module -> the names matching pattern that it calls (a plain name or an attribute)."""
+    import re
+
+    out: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name and re.fullmatch(pattern, name):
+                    out.setdefault(module, set()).add(name)
+    return out
+
+
+@pytest.mark.parametrize("pattern", SOLE_CALLERS)
+def test_a_decision_is_carried_out_from_one_module(pattern):
+    callers = callers_of(pattern)
+    assert callers, f"nothing calls {pattern}: the rule names what no longer exists"
+    assert set(callers) == {SOLE_CALLERS[pattern]}, f"{pattern} called from {sorted(callers)}"
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}

@@ -25,7 +25,7 @@ typedef void (*DotFn)(const uint8_t* w, const ActRow* a, int rows, int k, float*
 DotFn dot_function(int type, int portable);
 
 /* A weight matrix stored by groups of GROUP rows (GgufMatMul's row_group attribute, written by the exporter's
- * group_rows in export/cpu/linears.py), so that a group is read as one stream: its blocks b of the 8 rows, one
+ * group_rows in export/cpu/linear_parts.py), so that a group is read as one stream: its blocks b of the 8 rows, one
  * struct below per type, then its blocks b + 1. w: a group's start; out[r * stride + j] = row j . a[r]. Every byte of
  * the rows is kept, only moved. */
 #define GROUP 8
