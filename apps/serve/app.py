@@ -85,7 +85,7 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **state.batcher.status()}
+        return {"status": "ok", **state.generation_loop.status()}
 
     @app.get("/metrics")
     async def metrics():
@@ -113,9 +113,9 @@ def build_app(state: ServeState) -> FastAPI:
         body = await read_body(request, ChatRequest, max_bytes=max_bytes)
         job = submitted(state, await prepared(state, prepare_chat, body), kind="chat")
         if job.prep.stream:
-            return _stream(job.chat_stream(_never), job)
+            return _stream(job.chat_stream(), job)
         async with _closed_on_disconnect(request, job):
-            answer = await job.chat_response(_never)
+            answer = await job.chat_response()
         return answer or client_left(state, request, "before its answer was complete")
 
     @app.post("/v1/completions")
@@ -123,9 +123,9 @@ def build_app(state: ServeState) -> FastAPI:
         body = await read_body(request, CompletionRequest, max_bytes=max_bytes)
         job = submitted(state, await prepared(state, prepare_completion, body), kind="text")
         if job.prep.stream:
-            return _stream(job.completion_stream(_never), job)
+            return _stream(job.completion_stream(), job)
         async with _closed_on_disconnect(request, job):
-            answer = await job.completion_response(_never)
+            answer = await job.completion_response()
         return answer or client_left(state, request, "before its answer was complete")
 
     @app.post("/v1/messages")
@@ -133,9 +133,9 @@ def build_app(state: ServeState) -> FastAPI:
         body = await read_body(request, MessagesRequest, max_bytes=max_bytes)
         job = submitted(state, await prepared(state, _prepare_message, body), kind="message")
         if body.stream:
-            return _stream(message_stream(job, _never), job)
+            return _stream(message_stream(job), job)
         async with _closed_on_disconnect(request, job):
-            answer = await message_response(job, _never)
+            answer = await message_response(job)
         return answer or client_left(state, request, "before its answer was complete")
 
     @app.post("/v1/messages/count_tokens")
@@ -150,9 +150,9 @@ def build_app(state: ServeState) -> FastAPI:
         prep, conversation = await prepared(state, prepare_response, body)
         job = submitted(state, prep, kind="response")
         if body.stream:
-            return _stream(response_stream(job, body, conversation, _never), job)
+            return _stream(response_stream(job, body, conversation), job)
         async with _closed_on_disconnect(request, job):
-            answer = await response_answer(job, body, conversation, _never)
+            answer = await response_answer(job, body, conversation)
         return answer or client_left(state, request, "before its answer was complete")
 
     return app
@@ -187,10 +187,6 @@ async def _closed_on_disconnect(request: Request, job: Job):
         yield
     finally:
         watcher.cancel()
-
-
-async def _never() -> bool:
-    return False  # a streaming response notices a disconnect itself (and closes the job, below)
 
 
 def _stream(body, job: Job) -> StreamingResponse:
