@@ -22,6 +22,21 @@ def running_server(model_dir: Path, *args: str):
         yield base
 
 
+def reference_model(family: Path):
+    """The family opened in this process, the server's tests' reference (its one-sequence Generator, its logits)."""
+    from staticlm.runtime.model import Model
+    from staticlm.runtime.options import RunOptions
+
+    return Model.open(family, RunOptions(device="cpu", num_threads=THREADS))
+
+
+def openai_client(base: str, *, timeout: float):
+    """The official openai client on base, no retries (a test sees the first answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def health(base: str) -> dict:
     return httpx.get(f"{base}/health", timeout=5).json()
 

@@ -14,8 +14,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import THREADS
-from serve_helpers import free_port, health, running_server, serve_command, wait_idle
+from serve_helpers import free_port, health, openai_client, reference_model, running_server, serve_command, wait_idle
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -32,7 +31,7 @@ def server(tiny_chat_family):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(server, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +41,7 @@ def model_id(client) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_chat_family):
-    from staticlm.runtime.model import Model
-    from staticlm.runtime.options import RunOptions
-
-    return Model.open(tiny_chat_family, RunOptions(device="cpu", num_threads=THREADS))
+    return reference_model(tiny_chat_family)
 
 
 def greedy_reference(model, ids: list[int], max_new: int, **params):

@@ -7,8 +7,7 @@ import json
 
 import httpx
 import pytest
-from conftest import THREADS
-from serve_helpers import running_server
+from serve_helpers import reference_model, running_server
 
 anthropic = pytest.importorskip("anthropic")
 pytest.importorskip("fastapi")
@@ -38,10 +37,7 @@ def model(server) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_chat_family):
-    from staticlm.runtime.model import Model
-    from staticlm.runtime.options import RunOptions
-
-    return Model.open(tiny_chat_family, RunOptions(device="cpu", num_threads=THREADS))
+    return reference_model(tiny_chat_family)
 
 
 def _greedy_text(model, text: str, system: str | None = None) -> str:

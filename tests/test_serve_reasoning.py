@@ -7,8 +7,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import THREADS
-from serve_helpers import running_server, serve_command
+from serve_helpers import openai_client, reference_model, running_server, serve_command
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -65,15 +64,12 @@ def server(thinking_family):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server, timeout=60)
 
 
 @pytest.fixture(scope="module")
 def reference(thinking_family):
-    from staticlm.runtime.model import Model
-    from staticlm.runtime.options import RunOptions
-
-    return Model.open(thinking_family, RunOptions(device="cpu", num_threads=THREADS))
+    return reference_model(thinking_family)
 
 
 def _prompt(model, text: str, **template_kwargs) -> list[int]:

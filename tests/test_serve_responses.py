@@ -7,8 +7,7 @@ import json
 
 import httpx
 import pytest
-from conftest import THREADS
-from serve_helpers import running_server
+from serve_helpers import openai_client, reference_model, running_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -28,7 +27,7 @@ def server(tiny_chat_family):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +37,7 @@ def model(client) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_chat_family):
-    from staticlm.runtime.model import Model
-    from staticlm.runtime.options import RunOptions
-
-    return Model.open(tiny_chat_family, RunOptions(device="cpu", num_threads=THREADS))
+    return reference_model(tiny_chat_family)
 
 
 def test_text_streamed_and_not_equals_the_generator(client, model, reference):

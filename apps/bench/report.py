@@ -66,6 +66,25 @@ def print_table(rows: list[Row], meta: dict) -> None:
 
 
 
+def pyplot():
+    """matplotlib's pyplot on its file backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _labelled(ax, *, xlabel: str, ylabel: str, title: str) -> None:
+    """A line plot's labels, legend and grid."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
@@ -75,13 +94,9 @@ def _save(fig, path: Path) -> Path:
     return path
 
 def plot_strategies(figure: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for i, (name, data) in enumerate(figure.items()):
         ms = np.asarray(data["ms"])
         # Raw steps faintly (a shared machine adds spikes), a running median over 15 tokens on top.
@@ -90,21 +105,13 @@ def plot_strategies(figure: dict, path: Path) -> Path:
         color = f"C{i}"
         ax.plot(data["position"], ms, color=color, alpha=0.25, linewidth=0.6)
         ax.plot(data["position"][k // 2:k // 2 + len(median)], median, color=color, label=name, linewidth=1.6)
-    ax.set_xlabel("token position")
-    ax.set_ylabel("latency of that token (ms; line: running median of 15)")
-    ax.set_title("Per-token latency vs position by KV strategy (BMC Fig. 16 on this host)")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    _labelled(ax, xlabel="token position", ylabel="latency of that token (ms; line: running median of 15)",
+              title="Per-token latency vs position by KV strategy (BMC Fig. 16 on this host)")
     return _save(fig, path)
 
 
 def plot_bmc(figure: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(figure), figsize=(4.2 * len(figure), 4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(figure), figsize=(4.2 * len(figure), 4), squeeze=False)
     for ax, (n, data) in zip(axes[0], figure.items()):
         ts, ms = data["T"], [s * 1e3 for s in data["seconds"]]
         colors = ["tab:green" if t == data["best_T"] else "tab:blue" for t in ts]
@@ -123,22 +130,13 @@ def plot_speed(rows: list[Row], path: Path) -> Path | None:
     decode = [r for r in rows if r.key.startswith("decode@")]
     if not decode:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     contexts = [int(r.key.split("@")[1]) for r in decode]
     ax.plot(contexts, [r.ours for r in decode], marker="o", label="staticlm (ours)", linewidth=2)
     for p in peer_names(decode):
         ax.plot(contexts, [r.peers.get(p) for r in decode], marker="o", label=p)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens cached)")
-    ax.set_ylabel("decode tok/s")
-    ax.set_title("Decode speed vs context")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    _labelled(ax, xlabel="context (tokens cached)", ylabel="decode tok/s", title="Decode speed vs context")
     return _save(fig, path)
 
 

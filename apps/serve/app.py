@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -41,6 +42,17 @@ async def prepared(state: ServeState, prepare, body):
         return await run_in_threadpool(prepare, state, body)
     except Exception as e:  # noqa: BLE001 -- 400/404/429 before anything ran
         raise api_error(e) from None
+
+
+async def answered(state: ServeState, request: Request, job: Job, *, stream: bool,
+                   streamed: Callable[[], AsyncIterator[str]], whole: Callable[[], Awaitable[dict]]):
+    """A job's answer: its event stream (streamed()), or the whole answer (whole(); empty when the job ended
+    unfinished: its client left), which a client that leaves first cancels."""
+    if stream:
+        return _stream(streamed(), job)
+    async with _closed_on_disconnect(request, job):
+        answer = await whole()
+    return answer or client_left(state, request, "before its answer was complete")
 
 
 def build_app(state: ServeState) -> FastAPI:
@@ -85,7 +97,7 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **state.batcher.status()}
+        return {"status": "ok", **state.generation_loop.status()}
 
     @app.get("/metrics")
     async def metrics():
@@ -112,31 +124,22 @@ def build_app(state: ServeState) -> FastAPI:
     async def chat(request: Request):
         body = await read_body(request, ChatRequest, max_bytes=max_bytes)
         job = submitted(state, await prepared(state, prepare_chat, body), kind="chat")
-        if job.prep.stream:
-            return _stream(job.chat_stream(_never), job)
-        async with _closed_on_disconnect(request, job):
-            answer = await job.chat_response(_never)
-        return answer or client_left(state, request, "before its answer was complete")
+        return await answered(state, request, job, stream=job.prep.stream, streamed=job.chat_stream,
+                              whole=job.chat_response)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request, CompletionRequest, max_bytes=max_bytes)
         job = submitted(state, await prepared(state, prepare_completion, body), kind="text")
-        if job.prep.stream:
-            return _stream(job.completion_stream(_never), job)
-        async with _closed_on_disconnect(request, job):
-            answer = await job.completion_response(_never)
-        return answer or client_left(state, request, "before its answer was complete")
+        return await answered(state, request, job, stream=job.prep.stream, streamed=job.completion_stream,
+                              whole=job.completion_response)
 
     @app.post("/v1/messages")
     async def messages(request: Request):
         body = await read_body(request, MessagesRequest, max_bytes=max_bytes)
         job = submitted(state, await prepared(state, _prepare_message, body), kind="message")
-        if body.stream:
-            return _stream(message_stream(job, _never), job)
-        async with _closed_on_disconnect(request, job):
-            answer = await message_response(job, _never)
-        return answer or client_left(state, request, "before its answer was complete")
+        return await answered(state, request, job, stream=body.stream, streamed=lambda: message_stream(job),
+                              whole=lambda: message_response(job))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -149,11 +152,9 @@ def build_app(state: ServeState) -> FastAPI:
         body = await read_body(request, ResponsesRequest, max_bytes=max_bytes)
         prep, conversation = await prepared(state, prepare_response, body)
         job = submitted(state, prep, kind="response")
-        if body.stream:
-            return _stream(response_stream(job, body, conversation, _never), job)
-        async with _closed_on_disconnect(request, job):
-            answer = await response_answer(job, body, conversation, _never)
-        return answer or client_left(state, request, "before its answer was complete")
+        return await answered(state, request, job, stream=body.stream,
+                              streamed=lambda: response_stream(job, body, conversation),
+                              whole=lambda: response_answer(job, body, conversation))
 
     return app
 
@@ -187,10 +188,6 @@ async def _closed_on_disconnect(request: Request, job: Job):
         yield
     finally:
         watcher.cancel()
-
-
-async def _never() -> bool:
-    return False  # a streaming response notices a disconnect itself (and closes the job, below)
 
 
 def _stream(body, job: Job) -> StreamingResponse:

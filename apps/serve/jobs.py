@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from staticlm.runtime.generate.sequence_request import Admitted, Delta, Failed, Finished, SequenceRequest, TokenLogprob
@@ -26,7 +26,7 @@ from .state import ServeState
 from .tool_calls import parse_tool_calls
 from .worker import EventQueue
 
-DISCONNECT_POLL_S = 0.5
+CANCEL_POLL_S = 0.5  # how often a request waiting for its first event checks it was cancelled
 ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-", "message": "msg_", "response": "resp_"}
 
 
@@ -50,12 +50,15 @@ class Job:
         self._last: list[float | None] = [None] * n
         self._first_seen = False
 
-    async def events(self, is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[Delta | Finished]:
+    async def events(self) -> AsyncIterator[Delta | Finished]:
+        """The request's answer events until every choice finished, or the request is cancelled: a client that left
+        closes its job (a stream through Starlette, which cancels it on the disconnect and then runs its background
+        task; a whole answer through app.py's _closed_on_disconnect), and the poll below sees that."""
         try:
             while len(self.finished) < self.prep.num_choices:
-                event = await self._queue.get(timeout=DISCONNECT_POLL_S)
+                event = await self._queue.get(timeout=CANCEL_POLL_S)
                 if event is None:
-                    if self.request.cancelled or await is_disconnected():
+                    if self.request.cancelled:
                         return  # (a request cancelled while it waited for a row gets no more events)
                     continue
                 if isinstance(event, Failed):
@@ -121,8 +124,8 @@ class Job:
         return parse_tool_calls(text, tool_names=self.prep.tool_names)
 
     # -- chat ---------------------------------------------------------------------------------------
-    async def chat_response(self, is_disconnected) -> dict[str, Any]:
-        async for _ in self.events(is_disconnected):
+    async def chat_response(self) -> dict[str, Any]:
+        async for _ in self.events():
             pass
         if len(self.finished) < self.prep.num_choices:
             return {}  # the client went away: nobody reads this
@@ -142,7 +145,7 @@ class Job:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.model_id,
                 "system_fingerprint": None, "choices": choices, "usage": self.usage()}
 
-    async def chat_stream(self, is_disconnected) -> AsyncIterator[str]:
+    async def chat_stream(self) -> AsyncIterator[str]:
         head = {"rid": self.id, "created": self.created, "model": self.state.model_id}
         tok, want_lp, buffered = self.state.model.tokenizer, self.prep.num_logprobs is not None, self.prep.tool_names
         plan, n = self.prep.reasoning, self.prep.num_choices
@@ -154,7 +157,7 @@ class Job:
         try:
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""})
-            async for ev in self.events(is_disconnected):
+            async for ev in self.events():
                 if isinstance(ev, Delta):
                     thoughts, answer = splitters[ev.choice].push(ev.text) if splitters else ("", ev.text)
                     lp = chat_logprobs(tok, list(ev.logprobs)) if want_lp and ev.logprobs else None
@@ -191,8 +194,8 @@ class Job:
             return None
         return completion_logprobs(self.state.model.tokenizer, items, offset=offset)
 
-    async def completion_response(self, is_disconnected) -> dict[str, Any]:
-        async for _ in self.events(is_disconnected):
+    async def completion_response(self) -> dict[str, Any]:
+        async for _ in self.events():
             pass
         if len(self.finished) < self.prep.num_choices:
             return {}  # the client went away: nobody reads this
@@ -203,11 +206,11 @@ class Job:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_id,
                 "choices": choices, "usage": self.usage()}
 
-    async def completion_stream(self, is_disconnected) -> AsyncIterator[str]:
+    async def completion_stream(self) -> AsyncIterator[str]:
         head = {"rid": self.id, "created": self.created, "model": self.state.model_id}
         offsets = [0] * self.prep.num_choices
         try:
-            async for ev in self.events(is_disconnected):
+            async for ev in self.events():
                 if isinstance(ev, Delta):
                     lp = self._completion_lp(list(ev.logprobs), offsets[ev.choice])
                     offsets[ev.choice] += len(ev.text)

@@ -188,8 +188,8 @@ def _message(job: Job, *, content: list, stop: str | None, output_tokens: int) -
                       "cache_read_input_tokens": job.cached}}
 
 
-async def message_response(job: Job, is_disconnected) -> dict[str, Any]:
-    async for _ in job.events(is_disconnected):
+async def message_response(job: Job) -> dict[str, Any]:
+    async for _ in job.events():
         pass
     if not job.finished:
         return {}  # the client went away
@@ -203,7 +203,7 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
-async def message_stream(job: Job, is_disconnected) -> AsyncIterator[str]:
+async def message_stream(job: Job) -> AsyncIterator[str]:
     """The Messages event stream: message_start, content blocks (start, deltas, stop), message_delta, message_stop.
     Thoughts and text stream as they come; with tools, the answer is read whole at the end for its calls."""
     from .reasoning import ReasoningStream
@@ -230,7 +230,7 @@ async def message_stream(job: Job, is_disconnected) -> AsyncIterator[str]:
 
     yield _event("message_start", {"message": _message(job, content=[], stop=None, output_tokens=0)})
     try:
-        async for ev in job.events(is_disconnected):
+        async for ev in job.events():
             if isinstance(ev, Delta):
                 thoughts, answer = splitter.push(ev.text) if splitter else ("", ev.text)
                 for line in emit("thinking", thoughts) + ([] if buffered else emit("text", answer)):

@@ -11,7 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2
 class ServeMetrics:
     """One registry per server (tests may run several in a process)."""
 
-    def __init__(self, batcher: GenerationLoop) -> None:
+    def __init__(self, generation_loop: GenerationLoop) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("staticlm_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.client_aborts = Counter("staticlm_client_aborts", "requests whose client left before the answer "
@@ -30,7 +30,7 @@ class ServeMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.token_latency = Histogram("staticlm_token_latency_seconds", "time between a choice's tokens",
                                        buckets=LATENCY_BUCKETS, registry=r)
-        status = batcher.status
+        status = generation_loop.status
         for name, key, doc in (("staticlm_kv_rows", "rows", "batch rows (KV sequences) the server decodes in"),
                                ("staticlm_kv_rows_in_use", "rows_in_use", "batch rows decoding a request now"),
                                ("staticlm_kv_bytes", "kv_bytes", "bytes of KV buffers held (prefill and batch rows)"),

@@ -1,4 +1,4 @@
-"""From a validated request body to what the batcher runs: prompt ids (fitted to the context), generation
+"""From a validated request body to what the generation loop runs: prompt ids (fitted to the context), generation
 parameters with the server's run options as defaults, and the grammar that constrains the output."""
 from __future__ import annotations
 
@@ -110,8 +110,9 @@ def _too_long(state: ServeState, n: int, *, param: str) -> APIError:
 
 
 def check_choices(state: ServeState, n: int) -> None:
-    if n > state.batcher.num_rows:
-        raise bad_value("n", f"n={n} asks for more choices than this server's {state.batcher.num_rows} batch rows")
+    num_rows = state.generation_loop.num_rows
+    if n > num_rows:
+        raise bad_value("n", f"n={n} asks for more choices than this server's {num_rows} batch rows")
 
 
 def check_messages(messages: list[ChatMessage]) -> None:

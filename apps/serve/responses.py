@@ -215,16 +215,15 @@ def _finish(job: Job, req: ResponsesRequest, conversation: list, f) -> dict[str,
     return _response(job, req, status="completed", output=items, reason=f.reason, num_output=len(f.token_ids))
 
 
-async def response_answer(job: Job, req: ResponsesRequest, conversation: list, is_disconnected) -> dict[str, Any]:
-    async for _ in job.events(is_disconnected):
+async def response_answer(job: Job, req: ResponsesRequest, conversation: list) -> dict[str, Any]:
+    async for _ in job.events():
         pass
     if not job.finished:
         return {}  # the client went away
     return _finish(job, req, conversation, job.finished[0])
 
 
-async def response_stream(job: Job, req: ResponsesRequest, conversation: list,
-                          is_disconnected) -> AsyncIterator[str]:
+async def response_stream(job: Job, req: ResponsesRequest, conversation: list) -> AsyncIterator[str]:
     """response.created, then the output items as they come (text deltas live unless tools may be called), then
     response.completed with the whole response."""
     seq = iter(range(1 << 62))
@@ -238,7 +237,7 @@ async def response_stream(job: Job, req: ResponsesRequest, conversation: list,
     yield event("response.in_progress", response=_response(job, req, status="in_progress", output=[]))
     opened = False
     try:
-        async for ev in job.events(is_disconnected):
+        async for ev in job.events():
             if isinstance(ev, Delta):
                 if live and ev.text:
                     if not opened:

@@ -1,4 +1,4 @@
-"""What every handler of one server shares: the model, its batcher's worker, the options, metrics, grammars."""
+"""What every handler of one server shares: the model, the generation loop's worker, the options, metrics, grammars."""
 from __future__ import annotations
 
 import sys
@@ -35,28 +35,28 @@ class ServeState:
 
     @classmethod
     def build(cls, model: Model, serve: ServeOptions) -> ServeState:
-        batcher = model.open_loop(max_queue=serve.max_queue, prompt_cache=serve.prompt_cache, eager=True)
+        loop = model.open_loop(max_queue=serve.max_queue, prompt_cache=serve.prompt_cache, eager=True)
         on_idle = on_stop = None
         if serve.cache_dir is not None:
-            slots = SlotStore.for_engine(serve.cache_dir, model.engine, max_entries=batcher.max_saved_prefixes)
-            num_loaded = batcher.restore_prefixes(slots.load())
+            slots = SlotStore.for_engine(serve.cache_dir, model.engine, max_entries=loop.max_saved_prefixes)
+            num_loaded = loop.restore_prefixes(slots.load())
             print(f"staticlm serve: {num_loaded} cached prompt(s) loaded from {serve.cache_dir}", file=sys.stderr,
                   flush=True)
             writer = SlotWriter(slots)  # the engine thread only copies the rows; the files are written apart
-            on_idle = lambda: writer.save(batcher.cached_prefixes())  # noqa: E731
+            on_idle = lambda: writer.save(loop.cached_prefixes())  # noqa: E731
             on_stop = lambda: writer.close(timeout=SAVE_AT_EXIT_S)  # noqa: E731
-        worker = EngineWorker(batcher, on_idle=on_idle, on_stop=on_stop)
+        worker = EngineWorker(loop, on_idle=on_idle, on_stop=on_stop)
         return cls(model=model, options=model.options, serve=serve, worker=worker,
-                   metrics=ServeMetrics(batcher), grammars=Grammars.for_model(model),
+                   metrics=ServeMetrics(loop), grammars=Grammars.for_model(model),
                    model_id=serve.model_id or Path(model.engine.model_dir).resolve().name, created=int(time.time()))
 
     @property
-    def batcher(self) -> GenerationLoop:
-        return self.worker.batcher
+    def generation_loop(self) -> GenerationLoop:
+        return self.worker.generation_loop
 
     @property
     def max_context(self) -> int:
-        return self.batcher.max_context
+        return self.generation_loop.max_context
 
     @property
     def max_body_bytes(self) -> int:

@@ -22,13 +22,13 @@ class EngineWorker:
     """on_idle: called on the engine's thread each time the loop runs out of work, and once after it stopped
     (queueing a save of the prompt cache: slot_writer.py); on_stop: called last in stop() (writing what is queued)."""
 
-    def __init__(self, batcher: GenerationLoop, *, on_idle: Callable[[], None] | None = None,
+    def __init__(self, generation_loop: GenerationLoop, *, on_idle: Callable[[], None] | None = None,
                  on_stop: Callable[[], None] | None = None) -> None:
-        self.batcher = batcher
+        self.generation_loop = generation_loop
         self._on_idle, self._on_stop = on_idle, on_stop
         self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="staticlm-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="staticlm-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -44,18 +44,18 @@ class EngineWorker:
 
     def submit(self, request: SequenceRequest) -> None:
         """Queue a request (QueueFull, or a UserError for a bad one, is raised here) and wake the engine."""
-        self.batcher.submit(request)
+        self.generation_loop.submit(request)
         self._wake.set()
 
     def wake(self) -> None:
         """A request was cancelled: let the engine free its rows now."""
         self._wake.set()
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         busy = False
         while not self._stopping:
             try:
-                worked = self.batcher.step()
+                worked = self.generation_loop.step()
             except Exception as e:  # noqa: BLE001 -- a bug in one step must not stop the server; it is logged
                 traceback.print_exc(file=sys.stderr)
                 self._recover(e)
@@ -75,7 +75,7 @@ class EngineWorker:
     def _recover(self, error: BaseException) -> None:
         """The requests the failed step was running fail (their clients get the error), their rows are freed."""
         try:
-            self.batcher.fail_in_flight(error)
+            self.generation_loop.fail_in_flight(error)
         except Exception:  # noqa: BLE001 -- logged; the next step tries again
             traceback.print_exc(file=sys.stderr)
 

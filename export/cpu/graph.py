@@ -27,7 +27,8 @@ from staticlm.runtime.kernels import DOMAIN as KERNEL_DOMAIN
 from .attention import RopeTables, grouped_bias
 from .attention import attention as windows_attention
 from .gqa import attention as gqa_attention
-from .linears import FLOAT_BITS, OFFSET_BLOCK, LinearPlan, MatMulPart
+from .linear_parts import FLOAT_BITS, MatMulPart
+from .linears import OFFSET_BLOCK, LinearPlan
 from .options import CpuAttention, CpuOptions, WeightBits
 from .quant import block_sum_matrix, correction_rows
 from .rope import PositionRope

@@ -44,6 +44,7 @@ from staticlm.export.graph.htp_grids import ProjectionGrids, projection_sources
 from staticlm.export.htp.options import QuantOptions
 from staticlm.export.sources import LoadedModel
 from staticlm.export.weight_file import WeightFileWriter
+from staticlm.runtime.family.config import ModelConfig
 from staticlm.runtime.family.contract import IODtypes, graph_io
 from staticlm.runtime.family.manifest import GraphEntry, GraphKind, Manifest, file_sha256
 from staticlm.runtime.family.quant_params import FamilyQuant, Quant, TensorQuant
@@ -351,78 +352,144 @@ def _export(model: LoadedModel, out_dir: str | Path, *, plan: GraphPlan, quant: 
     config = config.for_context(max(options.contexts))  # longrope's set; a sliding window checked
     check_memory(size, streamed=_streamed(model, quant))  # before anything is written
     step = on_step or (lambda _name: None)
-    rounding = None
     with staged_family(out_dir) as final, _scratch(out_dir) as work:
-        float_dir = work / "float"
-        fm = export_family(model, float_dir, options=options)
-        model.drop_pages()  # the source's file, read whole for the float family
-        step("float family")
-        ids, eos, first_tokens = _prompt_ids(float_dir, prompts or calibration_prompts())
-        record = dict(max_steps=quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS, eos_ids=eos,
-                      sink_ids=first_tokens, on_prompt=lambda: step("calibration trace"),
-                      max_past_rows=template_entry(fm.graphs).shape.past_len)
-        if quant.max_group_bytes is None:  # the whole float family through the Engine
-            traces = record_traces(float_dir, ids, **record)
-        else:
-            traces = record_traces_streamed(float_dir, fm, ids, max_bytes=quant.max_group_bytes, **record)
+        run = _Run(float_dir=work / "float", work=work, final=final, quant=quant, options=options, config=config,
+                   step=step)
+        fm, num_prompts, traces = _float_family_traces(model, run, prompts=prompts or calibration_prompts())
         fq = family_quant(traces, quant, rope_bound=config.rope_attention_factor)
         if quant.quant is Quant.KV_ONLY:  # float weights, unchanged: the float family's file as it is
-            shutil.copyfile(float_dir / WEIGHTS_FILE, final / WEIGHTS_FILE)
-            weights_bytes, weights_sha = fm.weights_bytes, fm.weights_sha256
+            shutil.copyfile(run.float_dir / WEIGHTS_FILE, final / WEIGHTS_FILE)
+            entries = _plan_graphs(run, plan, fm, template=None, fq=fq)
+            weights = fm.weights_bytes, fm.weights_sha256
+            rounding = None
         else:
-            writer = WeightFileWriter(final / WEIGHTS_FILE)
-            shared = _SharedInitializers(writer)
-            if quant.block_gptq is not None:  # a float source's 4-bit projections onto GPTQ block grids
-                model, rounding = round_on_traces(model, float_dir, fm, traces.family_steps + traces.replay_steps,
-                                                  mask_value=fq.mask_value, options=quant.block_gptq, step=step)
-                if rounding is not None:
-                    fm = export_family(model, float_dir, options=options)  # the float family on those grids
-                step("float family on the rounded grids")
-            # Per-channel GPTQ is w8a16 only: per channel, w4a16 agreed with float less well with it (each layer's
-            # own output error fell, but 4-bit layers fed the next ones inputs far from the float ones it is fit to)
-            grids = ProjectionGrids(config, model.grids, eight_bit=quant.quant is Quant.W8A16)
-            rounded = (_gptq_overrides(float_dir, fm, traces.family_steps + traces.replay_steps, fq=fq, config=config,
-                                       grids=grids) if quant.quant is Quant.W8A16 else None)
-            step("GPTQ")
-            template = _quantized_template(float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant,
-                                           config=config, shared=shared, rounded=rounded, grids=grids,
-                                           drop_pages=model.drop_pages)
-            sink = _sink_template(template, float_dir, fm, traces.sink_steps, fq=fq, config=config)
-            step("quantized template")
-        entries = []
-        for entry in filter(plan.keeps, fm.graphs):
-            pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=config.num_kv_heads)
-            float_proto = onnx.load(str(float_dir / entry.file), load_external_data=False)
-            if quant.quant is Quant.KV_ONLY:
-                proto = add_kv_boundary(float_proto, pinned)
-            else:
-                proto = specialize(template.proto, template.float_proto, float_proto)
-            onnx.save_model(proto, final / entry.file)
-            inputs, outputs = graph_io(config, entry.shape, dtypes=io_dtypes(fq))
-            entries.append(GraphEntry(name=entry.name, file=entry.file, kind=entry.kind, shape=entry.shape,
-                                      inputs=inputs, outputs=outputs, sha256=file_sha256(final / entry.file)))
-            step(entry.name)
-        if quant.quant is not Quant.KV_ONLY:
-            entries.append(_sink_graph(sink, fm, float_dir, final, dtypes=io_dtypes(fq), config=config))
-            step("sink graph")
-            entries += export_segment_graphs(
-                float_dir, final, fm, shapes=segment_shapes, fq=fq, dtypes=io_dtypes(fq), config=config,
-                on_step=step, quantize=lambda entry, feeds, pinned: _quantized_template(
-                    float_dir, fm, work=work, steps=traces.family_steps, fq=fq, quant=quant, config=config,
-                    shared=shared, rounded=rounded, grids=grids, entry=entry, feeds=feeds, pinned=pinned,
-                    drop_pages=model.drop_pages))
-            weights_bytes, weights_sha = writer.close()
-        shutil.copyfile(float_dir / TOKENIZER_FILE, final / TOKENIZER_FILE)
+            quantized = _quantize(model, fm, run, traces=traces, fq=fq)
+            fm, rounding = quantized.fm, quantized.rounding
+            entries = _plan_graphs(run, plan, fm, template=quantized.template, fq=fq)
+            entries += _sink_and_segment_graphs(run, quantized, traces=traces, fq=fq, segment_shapes=segment_shapes)
+            weights = quantized.writer.close()
+        shutil.copyfile(run.float_dir / TOKENIZER_FILE, final / TOKENIZER_FILE)
         manifest = Manifest(
-            model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights_bytes,
-            weights_sha256=weights_sha, tokenizer_file=TOKENIZER_FILE, chat_template=fm.chat_template,
+            model=config, graphs=tuple(entries), weights_file=WEIGHTS_FILE, weights_bytes=weights[0],
+            weights_sha256=weights[1], tokenizer_file=TOKENIZER_FILE, chat_template=fm.chat_template,
             special_tokens=fm.special_tokens, kv_dtype=fq.kv_dtype, quantization=fq.to_dict(), source=fm.source,
             generation_defaults=fm.generation_defaults,
-            extra={"target": "htp", "calib_steps": len(traces.steps), "calib_prompts": len(ids),
+            extra={"target": "htp", "calib_steps": len(traces.steps), "calib_prompts": num_prompts,
                    **({"weight_rounding": rounding} if rounding else {})})
         manifest.save(final)
         step("manifest")
     return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One export's places and settings, which its stages share."""
+
+    float_dir: Path  # the float family, in the scratch directory
+    work: Path  # the scratch directory (the quantizer's files)
+    final: Path  # the staged family
+    quant: QuantOptions
+    options: ExportOptions  # the float family's
+    config: ModelConfig
+    step: Callable[[str], None]
+
+
+def _float_family_traces(model: LoadedModel, run: _Run, *, prompts: list[str]) -> tuple[Manifest, int, Traces]:
+    """The float family written into the scratch directory, and its decoding traces on the prompts; returns its
+    manifest, the number of prompts and the traces."""
+    fm = export_family(model, run.float_dir, options=run.options)
+    model.drop_pages()  # the source's file, read whole for the float family
+    run.step("float family")
+    ids, eos, first_tokens = _prompt_ids(run.float_dir, prompts)
+    record = dict(max_steps=run.quant.calib_steps, max_new_tokens=CALIB_NEW_TOKENS, eos_ids=eos,
+                  sink_ids=first_tokens, on_prompt=lambda: run.step("calibration trace"),
+                  max_past_rows=template_entry(fm.graphs).shape.past_len)
+    if run.quant.max_group_bytes is None:  # the whole float family through the Engine
+        traces = record_traces(run.float_dir, ids, **record)
+    else:
+        traces = record_traces_streamed(run.float_dir, fm, ids, max_bytes=run.quant.max_group_bytes, **record)
+    return fm, len(ids), traces
+
+
+@dataclasses.dataclass(frozen=True)
+class _Quantized:
+    """What every quantized graph of a family shares."""
+
+    model: LoadedModel  # the source (its 4-bit projections on GPTQ block grids where block_gptq rounded them)
+    fm: Manifest  # the float family (written again on those grids)
+    rounding: dict | None  # how block_gptq rounded them, for the manifest
+    writer: WeightFileWriter  # the family's weight file
+    shared: _SharedInitializers
+    grids: ProjectionGrids  # the projections that keep the source's grid
+    rounded: dict[str, list[dict]] | None  # the 8-bit projections' GPTQ-rounded weights
+    template: _Template
+    sink: _Template
+
+
+def _quantize(model: LoadedModel, fm: Manifest, run: _Run, *, traces: Traces, fq: FamilyQuant) -> _Quantized:
+    """The family's weight file opened, the projections rounded (a float source's 4-bit ones onto GPTQ block grids,
+    the 8-bit ones by per-channel GPTQ), then the template quantized and the sink template calibrated from it."""
+    quant, config, step = run.quant, run.config, run.step
+    writer = WeightFileWriter(run.final / WEIGHTS_FILE)
+    shared = _SharedInitializers(writer)
+    rounding = None
+    if quant.block_gptq is not None:  # a float source's 4-bit projections onto GPTQ block grids
+        model, rounding = round_on_traces(model, run.float_dir, fm, traces.family_steps + traces.replay_steps,
+                                          mask_value=fq.mask_value, options=quant.block_gptq, step=step)
+        if rounding is not None:
+            fm = export_family(model, run.float_dir, options=run.options)  # the float family on those grids
+        step("float family on the rounded grids")
+    # Per-channel GPTQ is w8a16 only: per channel, w4a16 agreed with float less well with it (each layer's
+    # own output error fell, but 4-bit layers fed the next ones inputs far from the float ones it is fit to)
+    grids = ProjectionGrids(config, model.grids, eight_bit=quant.quant is Quant.W8A16)
+    rounded = (_gptq_overrides(run.float_dir, fm, traces.family_steps + traces.replay_steps, fq=fq, config=config,
+                               grids=grids) if quant.quant is Quant.W8A16 else None)
+    step("GPTQ")
+    template = _quantized_template(run.float_dir, fm, work=run.work, steps=traces.family_steps, fq=fq, quant=quant,
+                                   config=config, shared=shared, rounded=rounded, grids=grids,
+                                   drop_pages=model.drop_pages)
+    sink = _sink_template(template, run.float_dir, fm, traces.sink_steps, fq=fq, config=config)
+    step("quantized template")
+    return _Quantized(model=model, fm=fm, rounding=rounding, writer=writer, shared=shared, grids=grids,
+                      rounded=rounded, template=template, sink=sink)
+
+
+def _plan_graphs(run: _Run, plan: GraphPlan, fm: Manifest, *, template: _Template | None,
+                 fq: FamilyQuant) -> list[GraphEntry]:
+    """The plan's graphs of the float family: the template specialized to each one's shape, or (template None, KV
+    only) the float graph with its KV boundary made integer."""
+    entries = []
+    for entry in filter(plan.keeps, fm.graphs):
+        pinned = boundary_params(entry.inputs + entry.outputs, fq, num_kv_heads=run.config.num_kv_heads)
+        float_proto = onnx.load(str(run.float_dir / entry.file), load_external_data=False)
+        if template is None:
+            proto = add_kv_boundary(float_proto, pinned)
+        else:
+            proto = specialize(template.proto, template.float_proto, float_proto)
+        onnx.save_model(proto, run.final / entry.file)
+        inputs, outputs = graph_io(run.config, entry.shape, dtypes=io_dtypes(fq))
+        entries.append(GraphEntry(name=entry.name, file=entry.file, kind=entry.kind, shape=entry.shape,
+                                  inputs=inputs, outputs=outputs, sha256=file_sha256(run.final / entry.file)))
+        run.step(entry.name)
+    return entries
+
+
+def _sink_and_segment_graphs(run: _Run, quantized: _Quantized, *, traces: Traces, fq: FamilyQuant,
+                             segment_shapes) -> list[GraphEntry]:
+    """The sink graph, then the segmented graphs (each kind quantized from a template of its own,
+    segment_export.py, with the family's weights)."""
+    q = quantized
+    entries = [_sink_graph(q.sink, q.fm, run.float_dir, run.final, dtypes=io_dtypes(fq), config=run.config)]
+    run.step("sink graph")
+
+    def quantize(entry: GraphEntry, feeds, pinned) -> _Template:
+        return _quantized_template(run.float_dir, q.fm, work=run.work, steps=traces.family_steps, fq=fq,
+                                   quant=run.quant, config=run.config, shared=q.shared, rounded=q.rounded,
+                                   grids=q.grids, entry=entry, feeds=feeds, pinned=pinned,
+                                   drop_pages=q.model.drop_pages)
+    return entries + export_segment_graphs(run.float_dir, run.final, q.fm, shapes=segment_shapes, fq=fq,
+                                           dtypes=io_dtypes(fq), config=run.config, on_step=run.step,
+                                           quantize=quantize)
 
 
 def num_quant_steps(options: ExportOptions, num_prompts: int, quant: Quant) -> int:

@@ -299,66 +299,78 @@ def strip_boundary(model: onnx.ModelProto, pinned: dict[str, TensorQuant]) -> on
     Output y: ... -> Q -> q -> DQ -> y becomes ... -> Q -> y(int); consumers inside the graph that read
     the DQ output keep reading a DQ (of the integer output), so the step's own attention sees exactly
     the integers the next step will read back.
-
-    One index of producers and readers, kept up to date by every rename: a search of the whole graph per
-    boundary tensor made this quadratic (hundreds of KV tensors x thousands of nodes in a 30-layer model).
     """
     g = model.graph
     nodes = list(g.node)  # these objects are the ones edited and written back
-    producer = {o: n for n in nodes for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for n in nodes:
-        for i in dict.fromkeys(n.input):
-            readers[i].append(n)
-    removed: list[onnx.NodeProto] = []
-
-    def rename(node: onnx.NodeProto, old: str, new: str) -> None:
-        node.input[:] = [new if i == old else i for i in node.input]
-        readers[old] = [n for n in readers[old] if n is not node]
-        if not any(n is node for n in readers[new]):
-            readers[new].append(node)
-
-    for vi in g.input:
-        if vi.name not in pinned:
-            continue
-        (q,) = [n for n in readers[vi.name] if n.op_type in Q_OPS] or [None]
-        if q is None or len(readers[vi.name]) != 1:
-            raise ValueError(f"input {vi.name}: expected exactly one QuantizeLinear consumer")
-        q_out = q.output[0]
-        removed.append(q)
-        readers[vi.name] = []
-        for n in list(readers[q_out]):
-            rename(n, q_out, vi.name)
-        vi.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pinned[vi.name].dtype))
+    wiring = _Wiring(nodes)
+    removed = [_strip_input(wiring, vi, pinned[vi.name]) for vi in g.input if vi.name in pinned]
     for vo in g.output:
-        if vo.name not in pinned:
-            continue
-        dq = producer.get(vo.name)
-        if dq is None or dq.op_type not in DQ_OPS:
-            raise ValueError(f"output {vo.name}: not produced by a DequantizeLinear")
-        q_out = dq.input[0]
-        q = producer[q_out]
-        if q.op_type not in Q_OPS:
-            raise ValueError(f"output {vo.name}: its DequantizeLinear does not read a QuantizeLinear")
-        for n in list(readers[q_out]):  # the integer tensor takes the output's name
-            rename(n, q_out, vo.name)
-        q.output[0] = vo.name
-        del producer[q_out]
-        producer[vo.name] = q
-        inner = [n for n in readers[vo.name] if n is not dq]
-        if inner:  # keep the DQ for in-graph readers, under a new name
-            deq = f"{vo.name}_dequantized"
-            dq.output[0] = deq
-            producer[deq] = dq
-            for n in inner:
-                rename(n, vo.name, deq)
-        else:
-            removed.append(dq)
-            readers[vo.name] = []
-        vo.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pinned[vo.name].dtype))
+        if vo.name in pinned:
+            removed += _strip_output(wiring, vo, pinned[vo.name])
     if removed:
         gone = {id(n) for n in removed}  # nodes holds every node, so no id is reused meanwhile
         kept = [n for n in nodes if id(n) not in gone]
         del g.node[:]
         g.node.extend(kept)
     return model
+
+
+class _Wiring:
+    """One index of a graph's producers and readers, kept up to date by every rename: a search of the whole graph
+    per boundary tensor made strip_boundary quadratic (hundreds of KV tensors x thousands of nodes in a 30-layer
+    model)."""
+
+    def __init__(self, nodes: list[onnx.NodeProto]) -> None:
+        self.producer = {o: n for n in nodes for o in n.output}
+        self.readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for n in nodes:
+            for i in dict.fromkeys(n.input):
+                self.readers[i].append(n)
+
+    def rename(self, node: onnx.NodeProto, old: str, new: str) -> None:
+        node.input[:] = [new if i == old else i for i in node.input]
+        self.readers[old] = [n for n in self.readers[old] if n is not node]
+        if not any(n is node for n in self.readers[new]):
+            self.readers[new].append(node)
+
+    def move_readers(self, old: str, new: str, *, only: list[onnx.NodeProto] | None = None) -> None:
+        """Every reader of old (or those of only) reads new instead."""
+        for n in list(self.readers[old]) if only is None else only:
+            self.rename(n, old, new)
+
+
+def _strip_input(wiring: _Wiring, vi: onnx.ValueInfoProto, tq: TensorQuant) -> onnx.NodeProto:
+    """x -> Q -> q -> DQ becomes x(int) -> DQ; returns the Q, to be removed."""
+    (q,) = [n for n in wiring.readers[vi.name] if n.op_type in Q_OPS] or [None]
+    if q is None or len(wiring.readers[vi.name]) != 1:
+        raise ValueError(f"input {vi.name}: expected exactly one QuantizeLinear consumer")
+    wiring.readers[vi.name] = []
+    wiring.move_readers(q.output[0], vi.name)
+    vi.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(tq.dtype))
+    return q
+
+
+def _strip_output(wiring: _Wiring, vo: onnx.ValueInfoProto, tq: TensorQuant) -> list[onnx.NodeProto]:
+    """Q -> q -> DQ -> y becomes Q -> y(int), the DQ kept (renamed) for readers inside the graph; returns the DQ
+    when none reads it, to be removed."""
+    dq = wiring.producer.get(vo.name)
+    if dq is None or dq.op_type not in DQ_OPS:
+        raise ValueError(f"output {vo.name}: not produced by a DequantizeLinear")
+    q_out = dq.input[0]
+    q = wiring.producer[q_out]
+    if q.op_type not in Q_OPS:
+        raise ValueError(f"output {vo.name}: its DequantizeLinear does not read a QuantizeLinear")
+    wiring.move_readers(q_out, vo.name)  # the integer tensor takes the output's name
+    q.output[0] = vo.name
+    del wiring.producer[q_out]
+    wiring.producer[vo.name] = q
+    vo.type.tensor_type.elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(tq.dtype))
+    inner = [n for n in wiring.readers[vo.name] if n is not dq]
+    if not inner:
+        wiring.readers[vo.name] = []
+        return [dq]
+    deq = f"{vo.name}_dequantized"  # keep the DQ for in-graph readers, under a new name
+    dq.output[0] = deq
+    wiring.producer[deq] = dq
+    wiring.move_readers(vo.name, deq, only=inner)
+    return []

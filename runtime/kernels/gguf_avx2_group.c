@@ -29,18 +29,49 @@ AVX2 static INLINE void broadcast_eighths(const int8_t* x, __m256i out[4]) {
   }
 }
 
+/* x's 32 levels against a group block's sub-block of 8 rows (levels [eighth][half], as interleave_eighths leaves them):
+ * per half, the int16 products of its first 16 inputs (eighths 0, 1) and of its second 16 (eighths 2, 3) */
+AVX2 static INLINE void sixteens(__m256i levels[4][2], const int8_t* x, __m256i first[2], __m256i second[2]) {
+  __m256i eighths[4];
+  broadcast_eighths(x, eighths);
+  for (int h = 0; h < 2; h++) {
+    first[h] = _mm256_add_epi16(_mm256_maddubs_epi16(levels[0][h], eighths[0]),
+                                _mm256_maddubs_epi16(levels[1][h], eighths[1]));
+    second[h] = _mm256_add_epi16(_mm256_maddubs_epi16(levels[2][h], eighths[2]),
+                                 _mm256_maddubs_epi16(levels[3][h], eighths[3]));
+  }
+}
+
 /* x's 32 levels dotted with 8 weight rows' interleaved levels: [8] int32, one lane per row. Each eighth of x is
  * broadcast against 4 rows' eighths; the products stay in int16 over the 4 eighths (8 products of at most 31 x 127
  * per lane), then int32. */
 AVX2 static INLINE __m256i dot_eighths(__m256i levels[4][2], const int8_t* x) {
-  __m256i half_sums[2], eighths[4];
-  broadcast_eighths(x, eighths);
+  __m256i half_sums[2], first[2], second[2];
+  sixteens(levels, x, first, second);
   for (int half = 0; half < 2; half++) {
-    __m256i s = _mm256_setzero_si256();
-    for (int e = 0; e < 4; e++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(levels[e][half], eighths[e]));
-    half_sums[half] = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+    half_sums[half] = _mm256_madd_epi16(_mm256_add_epi16(first[half], second[half]), _mm256_set1_epi16(1));
   }
   return _mm256_hadd_epi32(half_sums[0], half_sums[1]);
+}
+
+/* One activation row x (a super-block's 256 levels) against a K-quant group block's 8 sub-blocks of 32 for 8 rows
+ * (levels [sub-block][eighth][half]): [8] int32, a lane per weight row. spread: the rows' scales by half, one per
+ * sub-block ([8][2], Q4_K: its two 16s' int16 products add before the scale) or, per_sixteen, one per 16 inputs
+ * ([16][2], Q6_K, whose products would overflow int16 over 32). */
+AVX2 static INLINE __m256i group_row_sums(__m256i levels[8][4][2], __m256i spread[][2], const int8_t* x,
+                                          const int per_sixteen) {
+  __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int s = 0; s < 8; s++) {
+    __m256i first[2], second[2];
+    sixteens(levels[s], x + 32 * s, first, second);
+    for (int h = 0; h < 2; h++) {
+      const __m256i sum = per_sixteen ? _mm256_add_epi32(_mm256_madd_epi16(first[h], spread[2 * s][h]),
+                                                         _mm256_madd_epi16(second[h], spread[2 * s + 1][h]))
+                                      : _mm256_madd_epi16(_mm256_add_epi16(first[h], second[h]), spread[s][h]);
+      isum[h] = _mm256_add_epi32(isum[h], sum);
+    }
+  }
+  return _mm256_hadd_epi32(isum[0], isum[1]);
 }
 
 /* Q4_0, Q5_0, Q4_1, Q5_1 over a group (block_q4_0x8 and its kin: a block's 8 rows side by side). A block's levels for the 8 rows are unpacked and interleaved once (kept in L1
@@ -132,20 +163,7 @@ AVX2 static INLINE void group_dot_q4_k(const uint8_t* w, const ActRow* a, const 
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g->d));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g->dmin));
     for (int r = 0; r < rows; r++) {
-      const int8_t* x = a[r].q + b * QK_K;
-      __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int s = 0; s < 8; s++) {
-        __m256i eighths[4];
-        broadcast_eighths(x + 32 * s, eighths);
-        for (int h = 0; h < 2; h++) {
-          const __m256i p = _mm256_add_epi16(
-              _mm256_add_epi16(_mm256_maddubs_epi16(levels[s][0][h], eighths[0]),
-                               _mm256_maddubs_epi16(levels[s][1][h], eighths[1])),
-              _mm256_add_epi16(_mm256_maddubs_epi16(levels[s][2][h], eighths[2]),
-                               _mm256_maddubs_epi16(levels[s][3][h], eighths[3])));
-          isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(p, spread[s][h]));
-        }
-      }
+      const __m256i isum = group_row_sums(levels, spread, a[r].q + b * QK_K, 0);
       /* x's 8 sub-block sums as int16 (S0..S3 | S4..S7 in each lane's low half), taken two at a time */
       const __m256i pairs = _mm256_hadd_epi16(_mm256_loadu_si256((const __m256i*)(a[r].sums + b * 16)),
                                               _mm256_setzero_si256());
@@ -155,7 +173,7 @@ AVX2 static INLINE void group_dot_q4_k(const uint8_t* w, const ActRow* a, const 
         msum = _mm256_add_epi32(msum, _mm256_madd_epi16(minima[p], xp));
       }
       const __m256 ad = _mm256_set1_ps(a[r].d[b]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(isum[0], isum[1])), _mm256_mul_ps(d, ad), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, ad), acc[r]);
       acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[r]);
     }
   }
@@ -176,7 +194,6 @@ AVX2 static INLINE __m256i row_pick16(int h) {
  * taken off once per super-block as -32 sc . (x's sums of 16), as the portable dot does. */
 AVX2 static INLINE void group_dot_q6_k(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                        int64_t stride) {
-  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
   const __m256i pick[2] = {row_pick16(0), row_pick16(1)};
   __m256 acc[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -193,73 +210,38 @@ AVX2 static INLINE void group_dot_q6_k(const uint8_t* w, const ActRow* a, const 
     }
     for (int t = 0; t < 2; t++) {
       for (int v = 0; v < 8; v++) {
-        const __m256i lo = _mm256_loadu_si256((const __m256i*)g->levels[t][0][v / 2][v % 2]);
-        const __m256i hi = _mm256_loadu_si256((const __m256i*)g->levels[t][1][v / 2][v % 2]);
-        const __m256i qh = _mm256_loadu_si256((const __m256i*)g->levels[t][2][v / 2][v % 2]);
-        __m256i* const q[4] = {&levels[4 * t][v / 2][v % 2], &levels[4 * t + 1][v / 2][v % 2],
-                               &levels[4 * t + 2][v / 2][v % 2], &levels[4 * t + 3][v / 2][v % 2]};
-        *q[0] = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
-        *q[1] = _mm256_or_si256(_mm256_and_si256(hi, m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
-        *q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
-        *q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+        __m256i q[4];
+        q6_levels(_mm256_loadu_si256((const __m256i*)g->levels[t][0][v / 2][v % 2]),
+                  _mm256_loadu_si256((const __m256i*)g->levels[t][1][v / 2][v % 2]),
+                  _mm256_loadu_si256((const __m256i*)g->levels[t][2][v / 2][v % 2]), q);
+        for (int i = 0; i < 4; i++) levels[4 * t + i][v / 2][v % 2] = q[i];
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g->d));
     for (int r = 0; r < rows; r++) {
-      const int8_t* x = a[r].q + b * QK_K;
-      __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int u = 0; u < 8; u++) {
-        __m256i eighths[4];
-        broadcast_eighths(x + 32 * u, eighths);
-        for (int h = 0; h < 2; h++) {
-          const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(levels[u][0][h], eighths[0]),
-                                                 _mm256_maddubs_epi16(levels[u][1][h], eighths[1]));
-          const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(levels[u][2][h], eighths[2]),
-                                                  _mm256_maddubs_epi16(levels[u][3][h], eighths[3]));
-          isum[h] = _mm256_add_epi32(isum[h], _mm256_add_epi32(_mm256_madd_epi16(first, spread[2 * u][h]),
-                                                               _mm256_madd_epi16(second, spread[2 * u + 1][h])));
-        }
-      }
+      const __m256i isum = group_row_sums(levels, spread, a[r].q + b * QK_K, 1);
       __m256i offset = _mm256_setzero_si256();
       for (int p = 0; p < 8; p++) {
         int32_t sums;
         memcpy(&sums, a[r].sums + b * 16 + 2 * p, 4);
         offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[p], _mm256_set1_epi32(sums)));
       }
-      const __m256i total = _mm256_sub_epi32(_mm256_hadd_epi32(isum[0], isum[1]), _mm256_slli_epi32(offset, 5));
+      const __m256i total = _mm256_sub_epi32(isum, _mm256_slli_epi32(offset, 5));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a[r].d[b])), acc[r]);
     }
   }
   for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * stride, acc[r]);
 }
 
-#define Q4_0_GROUP(n) group_dot_32(w, a, n, k, out, stride, 0, 0)
-#define Q5_0_GROUP(n) group_dot_32(w, a, n, k, out, stride, 1, 0)
-#define Q4_1_GROUP(n) group_dot_32(w, a, n, k, out, stride, 0, 1)
-#define Q5_1_GROUP(n) group_dot_32(w, a, n, k, out, stride, 1, 1)
-TILED(group_q4_0_avx2, Q4_0_GROUP)
-TILED(group_q5_0_avx2, Q5_0_GROUP)
-TILED(group_q4_1_avx2, Q4_1_GROUP)
-TILED(group_q5_1_avx2, Q5_1_GROUP)
-#define Q4_K_GROUP(n) group_dot_q4_k(w, a, n, k, out, stride)
-TILED(group_q4_k_avx2, Q4_K_GROUP)
-#define Q6_K_GROUP(n) group_dot_q6_k(w, a, n, k, out, stride)
-TILED(group_q6_k_avx2, Q6_K_GROUP)
+/* CALL_<type>(n): the type's group dot of n activation rows, made one function by AVX2_BY_TYPE below */
+#define CALL_q4_0(n) group_dot_32(w, a, n, k, out, stride, 0, 0)
+#define CALL_q5_0(n) group_dot_32(w, a, n, k, out, stride, 1, 0)
+#define CALL_q4_1(n) group_dot_32(w, a, n, k, out, stride, 0, 1)
+#define CALL_q5_1(n) group_dot_32(w, a, n, k, out, stride, 1, 1)
+#define CALL_q4_k(n) group_dot_q4_k(w, a, n, k, out, stride)
+#define CALL_q6_k(n) group_dot_q6_k(w, a, n, k, out, stride)
 
-GroupDotFn avx2_group_dot(int type) {
-  switch (type) {
-    case GGML_Q4_0: return group_q4_0_avx2;
-    case GGML_Q5_0: return group_q5_0_avx2;
-    case GGML_Q4_1: return group_q4_1_avx2;
-    case GGML_Q5_1: return group_q5_1_avx2;
-    case GGML_Q4_K: return group_q4_k_avx2;
-    case GGML_Q6_K: return group_q6_k_avx2;
-  }
-  return NULL;
-}
+AVX2_BY_TYPE(GROUP_DOT_TYPES, GroupDotFn avx2_group_dot(int type))
 #else
 typedef int gguf_avx2_group_is_x86_only; /* an empty translation unit elsewhere */
 #endif

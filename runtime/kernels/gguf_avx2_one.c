@@ -7,27 +7,12 @@
  * sub-blocks of levels are unpacked at once and stay in registers, and the row's sums need one. Fewer instructions
  * than a tile's pass, but more loads per row: for two rows and more, the tile's pass is faster. */
 AVX2 float dot_k4_one(const uint8_t* w, const ActRow* a, int k, int five) {
-  const int bytes = five ? 176 : 144;
-  const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
   __m256 acc = _mm256_setzero_ps();
-  for (int b = 0; b < k / QK_K; b++, w += bytes) {
-    __m256i scales;
+  for (int b = 0; b < k / QK_K; b++, w += K4_BLOCK_BYTES(five)) {
+    __m256i scales, qh, levels[8], spread[8]; /* [sub-block]: 32 levels; its scale in every int16 */
     __m256 minima;
-    k4_header(w, &scales, &minima);
-    const uint8_t* qs = w + (five ? 48 : 16);
-    const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(w + 16)) : _mm256_setzero_si256();
-    __m256i levels[8], spread[8]; /* [sub-block]: 32 levels; its scale in every int16 */
-    for (int c = 0; c < 4; c++) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-      levels[2 * c] = _mm256_and_si256(raw, m4);
-      levels[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-      if (five) {
-        levels[2 * c] = _mm256_or_si256(
-            levels[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-        levels[2 * c + 1] = _mm256_or_si256(
-            levels[2 * c + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
-      }
-    }
+    const uint8_t* qs = k4_header(w, five, &scales, &minima, &qh);
+    for (int c = 0; c < 4; c++) k4_chunk(qs, qh, c, five, &levels[2 * c], &levels[2 * c + 1]);
     for (int s = 0; s < 8; s++) spread[s] = _mm256_shuffle_epi8(scales, broadcast16(s, s));
     const float d = _cvtsh_ss(*(const uint16_t*)w);
     const int8_t* x = a->q + b * QK_K;
@@ -45,7 +30,6 @@ AVX2 float dot_k4_one(const uint8_t* w, const ActRow* a, int k, int five) {
 /* The same sums as dot_q6_k_rows for one activation row (a decode step), its levels held in registers as
  * dot_k4_one holds them. */
 AVX2 float dot_q6_k_one(const uint8_t* w, const ActRow* a, int k) {
-  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
   __m256i pick[4]; /* part p of a half: its first 16's scale in the low lane, its second's in the high lane */
   for (int p = 0; p < 4; p++) pick[p] = broadcast16(2 * p, 2 * p + 1);
   __m256 acc = _mm256_setzero_ps();
@@ -53,19 +37,7 @@ AVX2 float dot_q6_k_one(const uint8_t* w, const ActRow* a, int k) {
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192))); /* [16] int16 */
     __m256i levels[8], spread[8]; /* [half, part]: 32 levels; the scales of its two 16s */
     for (int half = 0; half < 2; half++) {
-      const uint8_t *ql = w + 64 * half, *qhp = w + 128 + 32 * half;
-      const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql), l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
-      const __m256i h = _mm256_loadu_si256((const __m256i*)qhp);
-      const __m256i half_scales = half ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
-                                       : _mm256_permute2x128_si256(sc16, sc16, 0x00);
-      __m256i* q = levels + 4 * half;
-      q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
-      q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
-      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
-      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+      const __m256i half_scales = q6_half(w, half, sc16, levels + 4 * half);
       for (int part = 0; part < 4; part++) spread[4 * half + part] = _mm256_shuffle_epi8(half_scales, pick[part]);
     }
     const float d = _cvtsh_ss(*(const uint16_t*)(w + 208));

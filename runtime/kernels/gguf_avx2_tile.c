@@ -67,28 +67,20 @@ AVX2 static INLINE void dot_unsigned_rows(const uint8_t* w, const ActRow* a, con
  * weight row, dotted with each row's scaled sums in the same accumulator; one float multiply per super-block and row */
 AVX2 static INLINE void dot_k4_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                     int64_t stride, const int five) {
-  const int bytes = five ? 176 : 144;
-  const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
   __m256i pick[8];
   for (int j = 0; j < 8; j++) pick[j] = broadcast16(j, j);
   __m256 acc[TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-  for (int b = 0; b < k / QK_K; b++, w += bytes) {
-    __m256i scales;
+  for (int b = 0; b < k / QK_K; b++, w += K4_BLOCK_BYTES(five)) {
+    __m256i scales, qh;
     __m256 minima;
-    k4_header(w, &scales, &minima);
-    const uint8_t* qs = w + (five ? 48 : 16);
-    const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(w + 16)) : _mm256_setzero_si256();
+    const uint8_t* qs = k4_header(w, five, &scales, &minima, &qh);
     __m256i isum[TILE];
     for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1 /* unrolled, GCC keeps every row's products for one sum at the end, spilled */
     for (int c = 0; c < 4; c++) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-      __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-      if (five) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
-      }
+      __m256i lo, hi;
+      k4_chunk(qs, qh, c, five, &lo, &hi);
       for (int half = 0; half < 2; half++) { /* the rows' 32 low levels, then their 32 high: few registers live */
         const __m256i levels = half ? hi : lo, scale = _mm256_shuffle_epi8(scales, pick[2 * c + half]);
         for (int r = 0; r < rows; r++) {
@@ -108,7 +100,6 @@ AVX2 static INLINE void dot_k4_rows(const uint8_t* w, const ActRow* a, const int
 
 AVX2 static INLINE void dot_q6_k_rows(const uint8_t* w, const ActRow* a, const int rows, int k, float* out,
                                       int64_t stride) {
-  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
   __m256i pick[4]; /* part p of a half: its first 16's scale in the low lane, its second's in the high lane */
   for (int p = 0; p < 4; p++) pick[p] = broadcast16(2 * p, 2 * p + 1);
   __m256 acc[TILE];
@@ -121,20 +112,8 @@ AVX2 static INLINE void dot_q6_k_rows(const uint8_t* w, const ActRow* a, const i
       isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
     }
     for (int half = 0; half < 2; half++) {
-      const uint8_t *ql = w + 64 * half, *qhp = w + 128 + 32 * half;
-      const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql), l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
-      const __m256i h = _mm256_loadu_si256((const __m256i*)qhp);
-      /* this half's 8 scales in both lanes */
-      const __m256i half_scales = half ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
-                                       : _mm256_permute2x128_si256(sc16, sc16, 0x00);
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
-          _mm256_or_si256(_mm256_and_si256(l1, m4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4))};
+      __m256i q[4];
+      const __m256i half_scales = q6_half(w, half, sc16, q); /* this half's 8 scales in both lanes */
       for (int part = 0; part < 4; part++) {
         const __m256i scales = _mm256_shuffle_epi8(half_scales, pick[part]);
         for (int r = 0; r < rows; r++) {
@@ -152,36 +131,17 @@ AVX2 static INLINE void dot_q6_k_rows(const uint8_t* w, const ActRow* a, const i
   for (int r = 0; r < rows; r++) out[r * stride] = hsum(acc[r]);
 }
 
-#define Q4_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q4_0)
-#define Q5_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q5_0)
-#define Q4_1_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q4_1)
-#define Q5_1_CALL(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q5_1)
-#define Q8_0_CALL(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q8_0)
-#define Q4_K_CALL(n) (n == 1 ? (void)(*out = dot_k4_one(w, a, k, 0)) : dot_k4_rows(w, a, n, k, out, stride, 0))
-#define Q5_K_CALL(n) (n == 1 ? (void)(*out = dot_k4_one(w, a, k, 1)) : dot_k4_rows(w, a, n, k, out, stride, 1))
-#define Q6_K_CALL(n) (n == 1 ? (void)(*out = dot_q6_k_one(w, a, k)) : dot_q6_k_rows(w, a, n, k, out, stride))
-TILED(dot_q4_0_avx2, Q4_0_CALL)
-TILED(dot_q5_0_avx2, Q5_0_CALL)
-TILED(dot_q8_0_avx2, Q8_0_CALL)
-TILED(dot_q4_1_avx2, Q4_1_CALL)
-TILED(dot_q5_1_avx2, Q5_1_CALL)
-TILED(dot_q4_k_avx2, Q4_K_CALL)
-TILED(dot_q5_k_avx2, Q5_K_CALL)
-TILED(dot_q6_k_avx2, Q6_K_CALL)
+/* CALL_<type>(n): the type's dot of n activation rows, made one function by AVX2_BY_TYPE below */
+#define CALL_q4_0(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q4_0)
+#define CALL_q5_0(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q5_0)
+#define CALL_q4_1(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q4_1)
+#define CALL_q5_1(n) dot_unsigned_rows(w, a, n, k, out, stride, GGML_Q5_1)
+#define CALL_q8_0(n) dot_signed_rows(w, a, n, k, out, stride, GGML_Q8_0)
+#define CALL_q4_k(n) (n == 1 ? (void)(*out = dot_k4_one(w, a, k, 0)) : dot_k4_rows(w, a, n, k, out, stride, 0))
+#define CALL_q5_k(n) (n == 1 ? (void)(*out = dot_k4_one(w, a, k, 1)) : dot_k4_rows(w, a, n, k, out, stride, 1))
+#define CALL_q6_k(n) (n == 1 ? (void)(*out = dot_q6_k_one(w, a, k)) : dot_q6_k_rows(w, a, n, k, out, stride))
 
-DotFn avx2_dot(int type) {
-  switch (type) {
-    case GGML_Q4_0: return dot_q4_0_avx2;
-    case GGML_Q5_0: return dot_q5_0_avx2;
-    case GGML_Q8_0: return dot_q8_0_avx2;
-    case GGML_Q4_1: return dot_q4_1_avx2;
-    case GGML_Q5_1: return dot_q5_1_avx2;
-    case GGML_Q4_K: return dot_q4_k_avx2;
-    case GGML_Q5_K: return dot_q5_k_avx2;
-    case GGML_Q6_K: return dot_q6_k_avx2;
-  }
-  return NULL;
-}
+AVX2_BY_TYPE(ROW_DOT_TYPES, DotFn avx2_dot(int type))
 #else
 typedef int gguf_avx2_tile_is_x86_only; /* an empty translation unit elsewhere */
 #endif

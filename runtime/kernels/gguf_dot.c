@@ -138,6 +138,31 @@ static float dot_q6_k(const uint8_t* w, ActRow a, int k) {
 
 /* ---- the dots by type, vector where the CPU has them ------------------------------------------------------------------------------------------------ */
 
+/* Returns kind's vector function for a type (Fn: its type) where the CPU has one and portable is not asked for:
+ * avx2_##kind where the CPU has AVX2, neon_##kind at the CPU's level on ARM64 (where NULL goes on to the portable
+ * one) */
+#if HAS_X86
+#define RETURN_VECTOR(Fn, kind, type, portable) \
+  if (!(portable) && have_avx2()) return avx2_##kind(type)
+#elif HAS_ARM64
+#define RETURN_VECTOR(Fn, kind, type, portable)                                  \
+  do {                                                                           \
+    const Fn neon = (portable) ? NULL : neon_##kind((type), arm_dot_level());   \
+    if (neon != NULL) return neon;                                               \
+  } while (0)
+#else
+#define RETURN_VECTOR(Fn, kind, type, portable) (void)(portable)
+#endif
+
+/* Fn kind##_function(int type, int portable): the vector function where RETURN_VECTOR finds one, else list's
+ * portable CASE for the type, else NULL */
+#define BY_TYPE(Fn, kind, list, CASE)                 \
+  Fn kind##_function(int type, int portable) {        \
+    RETURN_VECTOR(Fn, kind, type, portable);          \
+    switch (type) { list(CASE) }                      \
+    return NULL;                                      \
+  }
+
 typedef float (*RowDot)(const uint8_t* w, ActRow a, int k);
 
 #define PORTABLE_ROWS(name, single)                                                                            \
@@ -153,27 +178,10 @@ PORTABLE_ROWS(rows_q4_k, dot_q4_k)
 PORTABLE_ROWS(rows_q5_k, dot_q5_k)
 PORTABLE_ROWS(rows_q6_k, dot_q6_k)
 
-DotFn dot_function(int type, int portable) {
-#if HAS_X86
-  if (!portable && have_avx2()) return avx2_dot(type);
-#elif HAS_ARM64
-  const DotFn neon = portable ? NULL : neon_dot(type, arm_dot_level());
-  if (neon != NULL) return neon;
-#else
-  (void)portable;
-#endif
-  switch (type) {
-    case GGML_Q4_0: return rows_q4_0;
-    case GGML_Q5_0: return rows_q5_0;
-    case GGML_Q8_0: return rows_q8_0;
-    case GGML_Q4_1: return rows_q4_1;
-    case GGML_Q5_1: return rows_q5_1;
-    case GGML_Q4_K: return rows_q4_k;
-    case GGML_Q5_K: return rows_q5_k;
-    case GGML_Q6_K: return rows_q6_k;
-  }
-  return NULL;
-}
+/* dot_function (gguf_dot.h): the vector dot where the CPU has one, else the portable rows_<name> */
+#define PORTABLE_DOT(type, name) \
+  case type: return rows_##name;
+BY_TYPE(DotFn, dot, ROW_DOT_TYPES, PORTABLE_DOT)
 
 /* a group's rows one by one, each read in place (its blocks GROUP apart): the same sums as a plain row's */
 #define PORTABLE_GROUP(name, type)                                                                              \
@@ -238,24 +246,10 @@ static ActRow act_block(ActRow a, int b) { /* the activation row's part under su
 PORTABLE_BLOCK_GROUP(group_q4_k, 144, K4_GROUP_BYTES, k4_group_block, dot_q4_k)
 PORTABLE_BLOCK_GROUP(group_q6_k, 210, Q6_GROUP_BYTES, q6_group_block, dot_q6_k)
 
-GroupDotFn group_dot_function(int type, int portable) {
-#if HAS_X86
-  if (!portable && have_avx2()) return avx2_group_dot(type);
-#elif HAS_ARM64
-  const GroupDotFn neon = portable ? NULL : neon_group_dot(type, arm_dot_level());
-  if (neon != NULL) return neon;
-#endif
-  (void)portable;
-  switch (type) {
-    case GGML_Q4_0: return group_q4_0;
-    case GGML_Q5_0: return group_q5_0;
-    case GGML_Q4_1: return group_q4_1;
-    case GGML_Q5_1: return group_q5_1;
-    case GGML_Q4_K: return group_q4_k;
-    case GGML_Q6_K: return group_q6_k;
-  }
-  return NULL;
-}
+/* group_dot_function (gguf_dot.h): the vector group dot where the CPU has one, else the portable group_<name> */
+#define PORTABLE_GROUP_DOT(type, name) \
+  case type: return group_##name;
+BY_TYPE(GroupDotFn, group_dot, GROUP_DOT_TYPES, PORTABLE_GROUP_DOT)
 
 /* ---- dequantization (gguf-py's arithmetic, so a gathered row equals gguf's dequantization bit for bit) -------- */
 

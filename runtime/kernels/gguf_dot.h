@@ -20,12 +20,20 @@ typedef void (*DotFn)(const uint8_t* w, const ActRow* a, int rows, int k, float*
     default: call(1); break;  \
   }
 
+/* The types with a row dot and those with a group dot (GROUP below), each as X(GGML type, its name in the dots'
+ * function names): every dispatch by type (portable, AVX2, NEON) is one switch over these lists. */
+#define ROW_DOT_TYPES(X) \
+  X(GGML_Q4_0, q4_0) X(GGML_Q5_0, q5_0) X(GGML_Q8_0, q8_0) X(GGML_Q4_1, q4_1) X(GGML_Q5_1, q5_1) \
+  X(GGML_Q4_K, q4_k) X(GGML_Q5_K, q5_k) X(GGML_Q6_K, q6_k)
+#define GROUP_DOT_TYPES(X) \
+  X(GGML_Q4_0, q4_0) X(GGML_Q5_0, q5_0) X(GGML_Q4_1, q4_1) X(GGML_Q5_1, q5_1) X(GGML_Q4_K, q4_k) X(GGML_Q6_K, q6_k)
+
 /* portable: the scalar dot even where AVX2 or ARM's dot products are available (the tests compare both). NULL for a
  * type without one. */
 DotFn dot_function(int type, int portable);
 
 /* A weight matrix stored by groups of GROUP rows (GgufMatMul's row_group attribute, written by the exporter's
- * group_rows in export/cpu/linears.py), so that a group is read as one stream: its blocks b of the 8 rows, one
+ * group_rows in export/cpu/linear_parts.py), so that a group is read as one stream: its blocks b of the 8 rows, one
  * struct below per type, then its blocks b + 1. w: a group's start; out[r * stride + j] = row j . a[r]. Every byte of
  * the rows is kept, only moved. */
 #define GROUP 8

@@ -105,17 +105,12 @@ static NEON_INLINE void q6_group_scale(const block_q6_Kx8* g, int s, int32x4_t o
 #undef LEVEL_ATTR
 #undef NAME
 
+#define NEON_GROUP(type, name) \
+  case type: return i8mm ? group_##name##_i8mm : group_##name##_dotprod;
 GroupDotFn neon_group_dot(int type, int level) {
   if (level < ARM_DOTPROD) return NULL;
   const int i8mm = level >= ARM_I8MM;
-  switch (type) {
-    case GGML_Q4_0: return i8mm ? group_q4_0_i8mm : group_q4_0_dotprod;
-    case GGML_Q5_0: return i8mm ? group_q5_0_i8mm : group_q5_0_dotprod;
-    case GGML_Q4_1: return i8mm ? group_q4_1_i8mm : group_q4_1_dotprod;
-    case GGML_Q5_1: return i8mm ? group_q5_1_i8mm : group_q5_1_dotprod;
-    case GGML_Q4_K: return i8mm ? group_q4_k_i8mm : group_q4_k_dotprod;
-    case GGML_Q6_K: return i8mm ? group_q6_k_i8mm : group_q6_k_dotprod;
-  }
+  switch (type) { GROUP_DOT_TYPES(NEON_GROUP) }
   return NULL;
 }
 #else

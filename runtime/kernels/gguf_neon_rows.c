@@ -158,35 +158,24 @@ NEON_DOTPROD static NEON_INLINE void rows_q6_k(const uint8_t* w, const ActRow* a
   NEON_DOTPROD static void name(const uint8_t* w, const ActRow* a, int rows, int k, float* out, int64_t stride) { \
     BY_COUNT(rows, call)                                                                                         \
   }
-#define Q4_0_ROWS(n) rows_32(w, a, n, k, out, stride, GGML_Q4_0)
-#define Q5_0_ROWS(n) rows_32(w, a, n, k, out, stride, GGML_Q5_0)
-#define Q8_0_ROWS(n) rows_32(w, a, n, k, out, stride, GGML_Q8_0)
-#define Q4_1_ROWS(n) rows_32(w, a, n, k, out, stride, GGML_Q4_1)
-#define Q5_1_ROWS(n) rows_32(w, a, n, k, out, stride, GGML_Q5_1)
-#define Q4_K_ROWS(n) rows_k4(w, a, n, k, out, stride, 0)
-#define Q5_K_ROWS(n) rows_k4(w, a, n, k, out, stride, 1)
-#define Q6_K_ROWS(n) rows_q6_k(w, a, n, k, out, stride)
-NEON_TILED(dot_q4_0_neon, Q4_0_ROWS)
-NEON_TILED(dot_q5_0_neon, Q5_0_ROWS)
-NEON_TILED(dot_q8_0_neon, Q8_0_ROWS)
-NEON_TILED(dot_q4_1_neon, Q4_1_ROWS)
-NEON_TILED(dot_q5_1_neon, Q5_1_ROWS)
-NEON_TILED(dot_q4_k_neon, Q4_K_ROWS)
-NEON_TILED(dot_q5_k_neon, Q5_K_ROWS)
-NEON_TILED(dot_q6_k_neon, Q6_K_ROWS)
+/* CALL_<type>(n): the type's dot of n activation rows, made one function by NEON_TILED_DOT below */
+#define CALL_q4_0(n) rows_32(w, a, n, k, out, stride, GGML_Q4_0)
+#define CALL_q5_0(n) rows_32(w, a, n, k, out, stride, GGML_Q5_0)
+#define CALL_q8_0(n) rows_32(w, a, n, k, out, stride, GGML_Q8_0)
+#define CALL_q4_1(n) rows_32(w, a, n, k, out, stride, GGML_Q4_1)
+#define CALL_q5_1(n) rows_32(w, a, n, k, out, stride, GGML_Q5_1)
+#define CALL_q4_k(n) rows_k4(w, a, n, k, out, stride, 0)
+#define CALL_q5_k(n) rows_k4(w, a, n, k, out, stride, 1)
+#define CALL_q6_k(n) rows_q6_k(w, a, n, k, out, stride)
 
+#define NEON_TILED_DOT(type, name) NEON_TILED(dot_##name##_neon, CALL_##name)
+ROW_DOT_TYPES(NEON_TILED_DOT)
+
+#define NEON_DOT(type, name) \
+  case type: return dot_##name##_neon;
 DotFn neon_dot(int type, int level) {
   if (level < ARM_DOTPROD) return NULL;
-  switch (type) {
-    case GGML_Q4_0: return dot_q4_0_neon;
-    case GGML_Q5_0: return dot_q5_0_neon;
-    case GGML_Q8_0: return dot_q8_0_neon;
-    case GGML_Q4_1: return dot_q4_1_neon;
-    case GGML_Q5_1: return dot_q5_1_neon;
-    case GGML_Q4_K: return dot_q4_k_neon;
-    case GGML_Q5_K: return dot_q5_k_neon;
-    case GGML_Q6_K: return dot_q6_k_neon;
-  }
+  switch (type) { ROW_DOT_TYPES(NEON_DOT) }
   return NULL;
 }
 #else
