@@ -99,9 +99,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat, small microbenchmark")
     b.add_argument("--only", default=None, help="comma-separated row sets to run (default all but runahead): bmc, "
                    "speed, strategies, speculative, responses, segments, serve, runahead (opt-in: ten minutes or more)")
-    b.add_argument("--baseline", default=None, metavar="REV[,REV]",
+    b.add_argument("--baseline", default=None, metavar="REV[=DIR][,...]",
                    help="git revisions of staticlm run beside this one in every round of the speed and memory rows "
-                        "(a column staticlm@REV each): a change's before and after in one run")
+                        "(a column staticlm@REV each), on --model or on DIR, a family that revision exported: a "
+                        "change's before and after in one run")
     return parser
 
 

@@ -254,6 +254,9 @@ def test_an_unknown_baseline_revision_is_refused_in_one_line(tiny_family, tmp_pa
     proc = staticlm("bench", "--model", tiny_family, "--peers", "none", "--baseline", "no-such-rev", "--out",
                     tmp_path / "o")
     assert_one_line_error(proc, "--baseline: no commit 'no-such-rev'")
+    proc = staticlm("bench", "--model", tiny_family, "--peers", "none", "--baseline", f"HEAD={tmp_path / 'nope'}",
+                    "--out", tmp_path / "o")
+    assert_one_line_error(proc, "no exported model at")
     assert not (tmp_path / "o").exists()  # refused before anything ran
 
 

@@ -6,7 +6,9 @@ and every row shows the change as a ratio (ours over `staticlm@REV`).
 
 The revision's tree is written once with `git archive` under the peers' cache (`baselines/<commit>/staticlm`) and
 its kernels built there with its own build script; its worker runs with that tree first on PYTHONPATH, so `import
-staticlm` is the old code while the interpreter and the installed libraries are this environment's.
+staticlm` is the old code while the interpreter and the installed libraries are this environment's. A change that
+moved the family's format gives the old code a family it exported itself (`REV=DIR`; export it with that tree on
+PYTHONPATH: `PYTHONPATH=<cache>/baselines/<commit> python -m staticlm.apps.cli export ...`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,17 @@ def _git(*args: str) -> str:
         raise BenchError(f"--baseline: git {' '.join(args)} failed in {REPO}: "
                          f"{(done.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
     return done.stdout.strip()
+
+
+def parse_baseline(text: str) -> tuple[str, Path | None]:
+    """`REV` (the revision runs the bench's family) or `REV=DIR` (a family that revision exported, for a change that
+    moved the family's format: the old code refuses a newer family). BenchError for a DIR with no family."""
+    rev, sep, directory = text.partition("=")
+    if not sep:
+        return rev, None
+    if not (Path(directory) / "manifest.json").is_file():
+        raise BenchError(f"--baseline {text}: no exported model at {directory}")
+    return rev, Path(directory)
 
 
 def resolve_revision(rev: str) -> str:
@@ -78,9 +91,10 @@ def baseline_systems(ctx: BenchContext) -> dict[str, PeerModel]:
     """{`staticlm@REV`: its worker} for each revision --baseline names (none: {}); a revision that cannot run here
     is a skipped peer with its reason (its tree is made on the first row set that asks)."""
     systems = {}
-    for rev in ctx.options.baselines:
+    for text in ctx.options.baselines:
+        rev, model_dir = parse_baseline(text)
         try:
-            name, model = prepare_baseline(rev, model_dir=ctx.model_dir, log=ctx.log)
+            name, model = prepare_baseline(rev, model_dir=model_dir or ctx.model_dir, log=ctx.log)
         except PeerUnavailable as e:
             ctx.extra.setdefault("skipped_peers", {})[f"staticlm@{rev}"] = str(e)
             continue
@@ -88,4 +102,4 @@ def baseline_systems(ctx: BenchContext) -> dict[str, PeerModel]:
     return systems
 
 
-__all__ = ["baseline_systems", "prepare_baseline", "resolve_revision"]
+__all__ = ["baseline_systems", "parse_baseline", "prepare_baseline", "resolve_revision"]

@@ -29,7 +29,7 @@ from .base import (
     parse_contexts,
     parse_peers,
 )
-from .baseline import resolve_revision
+from .baseline import parse_baseline, resolve_revision
 from .bmc import bench_bmc
 from .memory import bench_memory
 from .report import print_table, write_outputs
@@ -114,8 +114,8 @@ def check_options(options: BenchOptions) -> None:
         raise BenchError(f"--threads must be >= 1, got {options.threads}")
     if options.long_gen is not None and options.long_gen < 2:
         raise BenchError(f"--long-gen must be >= 2, got {options.long_gen}")
-    for rev in options.baselines:
-        resolve_revision(rev)
+    for text in options.baselines:
+        resolve_revision(parse_baseline(text)[0])
 
 
 def run_bench(options: BenchOptions, *, benchmarks: tuple[tuple[str, Benchmark], ...] = BENCHMARKS,
