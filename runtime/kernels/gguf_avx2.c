@@ -1,6 +1,7 @@
 /* The AVX2 activation rounding, the run-time check for AVX2, and the int8 rate probe (x86-64). */
 #if defined(__x86_64__) || defined(_M_X64)
 #include "gguf_avx2_parts.h"
+#include "mac_rate.h"
 #include "portable.h"
 
 /* the same levels as the portable rule: x * (127 / amax) in float32, rounded half to even (MXCSR's default) */
@@ -38,34 +39,31 @@ AVX2 void quantize_act_row_avx2(const float* x, int k, int act_block, int8_t* q,
   }
 }
 
-AVX2 static double int8_mac_rate_avx2(double seconds) {
-  enum { K = 4096, ROWS = 4 };
-  static THREAD_LOCAL int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
-  for (int i = 0; i < ROWS * K; i++) x[i] = (int8_t)(i * 37);
+struct avx2_probe {
+  const int8_t* x;
+  __m256i acc[PROBE_ROWS];
+};
+
+AVX2 static void avx2_probe_pass(void* state) {
+  struct avx2_probe* p = state;
   const __m256i levels = _mm256_set1_epi8(11), scale = _mm256_set1_epi16(3);
-  __m256i acc[ROWS];
-  for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_si256();
-  const double start = thread_cpu_seconds();
-  double elapsed = 0.0, passes = 0.0;
-  while (elapsed < seconds) {
-    for (int pass = 0; pass < 64; pass++) {
-      for (int i = 0; i < K; i += 64) {
-        for (int r = 0; r < ROWS; r++) {
-          const __m256i p0 = _mm256_maddubs_epi16(levels, _mm256_loadu_si256((const __m256i*)(x + r * K + i)));
-          const __m256i p1 = _mm256_maddubs_epi16(levels, _mm256_loadu_si256((const __m256i*)(x + r * K + i + 32)));
-          acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p0, scale), _mm256_madd_epi16(p1, scale)));
-        }
-      }
-      COMPILER_BARRIER(); /* each pass reads x again */
+  __m256i acc[PROBE_ROWS]; /* in registers through the pass (the activations are chars: they may alias p) */
+  for (int r = 0; r < PROBE_ROWS; r++) acc[r] = p->acc[r];
+  for (int i = 0; i < PROBE_K; i += 64) {
+    for (int r = 0; r < PROBE_ROWS; r++) {
+      const int8_t* x = p->x + r * PROBE_K + i;
+      const __m256i p0 = _mm256_maddubs_epi16(levels, _mm256_loadu_si256((const __m256i*)x));
+      const __m256i p1 = _mm256_maddubs_epi16(levels, _mm256_loadu_si256((const __m256i*)(x + 32)));
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p0, scale), _mm256_madd_epi16(p1, scale)));
     }
-    passes += 64;
-    elapsed = thread_cpu_seconds() - start;
   }
-  __m256i total = acc[0];
-  for (int r = 1; r < ROWS; r++) total = _mm256_add_epi32(total, acc[r]);
-  volatile int sink = _mm256_extract_epi32(total, 0); /* the sums are used: the loop is not removed */
-  (void)sink;
-  return passes * ROWS * K / elapsed;
+  for (int r = 0; r < PROBE_ROWS; r++) p->acc[r] = acc[r];
+}
+
+AVX2 static double int8_mac_rate_avx2(double seconds) {
+  struct avx2_probe probe;
+  probe.x = probe_activations();
+  return timed_mac_rate(seconds, avx2_probe_pass, &probe, probe.acc, sizeof probe.acc);
 }
 
 /* The calling thread's int8 multiply-accumulate rate through the instructions every dot here is built from

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "gguf_neon_parts.h"
+#include "mac_rate.h"
 #include "portable.h"
 
 #if defined(__linux__)
@@ -61,30 +62,26 @@ int arm_dot_level(void) {
   return cached;
 }
 
-NEON_DOTPROD static double int8_mac_rate_dotprod(double seconds) {
-  enum { K = 4096, ROWS = 4 };
-  static THREAD_LOCAL int8_t x[ROWS * K]; /* 16 KB: stays in L1 */
-  for (int i = 0; i < ROWS * K; i++) x[i] = (int8_t)(i * 37);
+struct dotprod_probe {
+  const int8_t* x;
+  int32x4_t acc[PROBE_ROWS];
+};
+
+NEON_DOTPROD static void dotprod_probe_pass(void* state) {
+  struct dotprod_probe* p = state;
   const int8x16_t levels = vdupq_n_s8(11);
-  int32x4_t acc[ROWS];
-  for (int r = 0; r < ROWS; r++) acc[r] = vdupq_n_s32(0);
-  const double start = thread_cpu_seconds();
-  double elapsed = 0.0, passes = 0.0;
-  while (elapsed < seconds) {
-    for (int pass = 0; pass < 64; pass++) {
-      for (int i = 0; i < K; i += 16) {
-        for (int r = 0; r < ROWS; r++) acc[r] = vdotq_s32(acc[r], levels, vld1q_s8(x + r * K + i));
-      }
-      COMPILER_BARRIER(); /* each pass reads x again */
-    }
-    passes += 64;
-    elapsed = thread_cpu_seconds() - start;
+  int32x4_t acc[PROBE_ROWS]; /* in registers through the pass (the activations are chars: they may alias p) */
+  for (int r = 0; r < PROBE_ROWS; r++) acc[r] = p->acc[r];
+  for (int i = 0; i < PROBE_K; i += 16) {
+    for (int r = 0; r < PROBE_ROWS; r++) acc[r] = vdotq_s32(acc[r], levels, vld1q_s8(p->x + r * PROBE_K + i));
   }
-  int32x4_t total = acc[0];
-  for (int r = 1; r < ROWS; r++) total = vaddq_s32(total, acc[r]);
-  volatile int sink = vgetq_lane_s32(total, 0); /* the sums are used: the loop is not removed */
-  (void)sink;
-  return passes * ROWS * K / elapsed;
+  for (int r = 0; r < PROBE_ROWS; r++) p->acc[r] = acc[r];
+}
+
+NEON_DOTPROD static double int8_mac_rate_dotprod(double seconds) {
+  struct dotprod_probe probe;
+  probe.x = probe_activations();
+  return timed_mac_rate(seconds, dotprod_probe_pass, &probe, probe.acc, sizeof probe.acc);
 }
 
 /* The calling thread's int8 multiply-accumulate rate through sdot, the instruction the ARM64 dots are built on,
