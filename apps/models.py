@@ -2,13 +2,14 @@
 machine on first use (`--target cpu` on a CPU-only host, `--target htp` where the QNN EP reports an NPU)."""
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from staticlm.apps.home import DEFAULT_MODEL, TARGETS, default_model_dir
 from staticlm.errors import InvalidOption
-from staticlm.runtime.family.manifest import MANIFEST_NAME, read_manifest
+from staticlm.runtime.family.manifest import MANIFEST_NAME, ManifestError, load_manifest, read_manifest
 from staticlm.runtime.model import Model, check_draft_model
 from staticlm.runtime.options import RunOptions
 from staticlm.runtime.session.device import npu_available
@@ -26,8 +27,15 @@ def ensure_default_model(target: str | None = None, *, quiet: bool = False,
     target = target or default_target()
     out = default_model_dir(target)
     if (out / MANIFEST_NAME).is_file():
-        return out
-    if not quiet:
+        try:
+            load_manifest(out)
+            return out
+        except ManifestError as e:  # staticlm's own copy, made by an older version (or broken): made again
+            if not quiet:
+                print(f"The default model's family at {out} cannot be used ({e}): exporting it again",
+                      file=sys.stderr)
+            shutil.rmtree(out)
+    elif not quiet:
         print(f"First run: exporting the default model ({DEFAULT_MODEL}, --target {target}) to {out}",
               file=sys.stderr)
     from staticlm.apps.exporting import run_export  # the exporter loads only when something is exported

@@ -63,6 +63,21 @@ def test_the_default_family_is_the_machines_export(fresh_home, fake_first_export
     assert fake_first_export[-1]["target"] == "float"
 
 
+def test_a_default_family_this_staticlm_cannot_read_is_exported_again(fresh_home, fake_first_export,
+                                                                       monkeypatch, capsys):
+    monkeypatch.setattr(models, "npu_available", lambda: False)
+    path = models.resolve_model_dir(None)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format_version"] = 99  # a version this staticlm refuses (an older one is refused alike)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "stale.txt").write_text("left by the old export")
+    assert models.resolve_model_dir(None) == path and len(fake_first_export) == 2  # made again, in place
+    assert json.loads((path / "manifest.json").read_text())["format_version"] != 99
+    assert not (path / "stale.txt").exists()
+    assert "cannot be used" in capsys.readouterr().err
+    assert models.resolve_model_dir(None) == path and len(fake_first_export) == 2  # a current one is kept
+
+
 def test_json_is_the_only_thing_on_stdout_on_a_first_run(fresh_home, fake_first_export, monkeypatch, capsys):
     monkeypatch.setattr(models, "npu_available", lambda: False)
     assert cli.main(["generate", "--prompt", "hi", "--json", "--max-new-tokens", "3", "--device", "cpu"]) == 0
