@@ -268,9 +268,9 @@ def test_the_baseline_worker_imports_the_revisions_own_tree(monkeypatch, tmp_pat
     monkeypatch.setenv("STATICLM_PEERS", str(tmp_path))
     built = []
     monkeypatch.setattr(baseline, "_build_kernels", lambda tree, log: built.append(tree))
-    commit = subprocess.run(["git", "-C", str(baseline.REPO), "rev-parse", "HEAD~1"], capture_output=True,
+    commit = subprocess.run(["git", "-C", str(baseline.REPO), "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    name, model = baseline.prepare_baseline("HEAD~1", model_dir=tiny_family, log=lambda _: None)
+    name, model = baseline.prepare_baseline("HEAD", model_dir=tiny_family, log=lambda _: None)
     assert name == f"staticlm@{commit[:9]}" and model.system == "staticlm" and model.model == str(tiny_family)
     tree = tmp_path / "baselines" / commit / "staticlm"
     assert built == [tree] and model.worker == tree / "apps" / "bench" / "worker.py"
