@@ -68,14 +68,19 @@ struct dotprod_probe {
 };
 
 NEON_DOTPROD static void dotprod_probe_pass(void* state) {
+  _Static_assert(PROBE_ROWS == 4, "one accumulator a row below");
   struct dotprod_probe* p = state;
   const int8x16_t levels = vdupq_n_s8(11);
-  int32x4_t acc[PROBE_ROWS]; /* in registers through the pass (the activations are chars: they may alias p) */
-  for (int r = 0; r < PROBE_ROWS; r++) acc[r] = p->acc[r];
-  for (int i = 0; i < PROBE_K; i += 16) {
-    for (int r = 0; r < PROBE_ROWS; r++) acc[r] = vdotq_s32(acc[r], levels, vld1q_s8(p->x + r * PROBE_K + i));
+  const int8_t* x = p->x;
+  /* in registers through the pass (the activations are chars: they may alias p) */
+  int32x4_t a0 = p->acc[0], a1 = p->acc[1], a2 = p->acc[2], a3 = p->acc[3];
+  for (int i = 0; i < PROBE_K; i += 16, x += 16) {
+    a0 = vdotq_s32(a0, levels, vld1q_s8(x));
+    a1 = vdotq_s32(a1, levels, vld1q_s8(x + PROBE_K));
+    a2 = vdotq_s32(a2, levels, vld1q_s8(x + 2 * PROBE_K));
+    a3 = vdotq_s32(a3, levels, vld1q_s8(x + 3 * PROBE_K));
   }
-  for (int r = 0; r < PROBE_ROWS; r++) p->acc[r] = acc[r];
+  p->acc[0] = a0, p->acc[1] = a1, p->acc[2] = a2, p->acc[3] = a3;
 }
 
 NEON_DOTPROD static double int8_mac_rate_dotprod(double seconds) {
