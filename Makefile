@@ -27,29 +27,30 @@ kernels: $(KERNELS)
 ort-header:
 	@bash .ci/ort_header.sh
 
+# $(call apt_install,PACKAGES,WHAT IS LOST): the packages where we can install them (root with apt-get), once;
+# anywhere else one note saying what is lost.
+define apt_install
+@if command -v dpkg >/dev/null 2>&1 && dpkg -s $(1) >/dev/null 2>&1; then :; \
+elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq $(1) >/dev/null \
+		|| (apt-get update -qq && apt-get install -y -qq $(1) >/dev/null)) \
+		|| echo "note: could not install $(1); $(2)"; \
+else echo "note: $(1) not installed (needs root and apt-get); $(2)"; fi
+endef
+
 # The GUI screenshot test runs under Xvfb: Debian's xvfb plus the X libraries Qt's xcb plugin loads, installed
 # only where we can (root with apt-get); anywhere else this is a no-op and the test grabs the window offscreen.
 XVFB_PACKAGES := xvfb xauth libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-image0 libxcb-render-util0 \
                  libxcb-shape0 libxcb-xkb1 libxcb-randr0 libxcb-xinerama0 libxkbcommon-x11-0 libegl1 libgl1 \
                  libfontconfig1 libdbus-1-3 fonts-dejavu-core
 xvfb:
-	@if command -v dpkg >/dev/null 2>&1 && dpkg -s $(XVFB_PACKAGES) >/dev/null 2>&1; then :; \
-	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq $(XVFB_PACKAGES) >/dev/null \
-			|| (apt-get update -qq && apt-get install -y -qq $(XVFB_PACKAGES) >/dev/null)) \
-			|| echo "note: could not install xvfb; the screenshot test will grab offscreen"; \
-	else echo "note: xvfb is not installed (needs root and apt-get); the screenshot test will grab offscreen"; fi
+	$(call apt_install,$(XVFB_PACKAGES),the screenshot test will grab offscreen)
 
 # The ARM64 dots' test (tests/test_arm64_dots.py) cross-compiles them and runs them under qemu-user: Debian's cross
 # compiler, its C library and qemu-user, installed only where we can (root with apt-get); elsewhere the test skips.
 ARM64_PACKAGES := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 arm64-cross:
-	@if command -v dpkg >/dev/null 2>&1 && dpkg -s $(ARM64_PACKAGES) >/dev/null 2>&1; then :; \
-	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq $(ARM64_PACKAGES) >/dev/null \
-			|| (apt-get update -qq && apt-get install -y -qq $(ARM64_PACKAGES) >/dev/null)) \
-			|| echo "note: could not install $(ARM64_PACKAGES); the ARM64 dots' test will skip"; \
-	else echo "note: $(ARM64_PACKAGES) not installed (needs root and apt-get); the ARM64 dots' test will skip"; fi
+	$(call apt_install,$(ARM64_PACKAGES),the ARM64 dots' test will skip)
 
 # Exports the embedded default model on first use, then opens the chat window (the terminal chat without a display).
 chat: $(STAMP) $(KERNELS)
