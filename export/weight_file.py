@@ -69,14 +69,30 @@ class WeightFileWriter:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
+    def tensor_bytes(self, name: str) -> int:
+        return self._tensors[name].length
+
     def proto(self, name: str) -> onnx.TensorProto:
         t = self._tensors[name]
+        return self._external(t.name, t.dtype, t.shape, offset=t.offset, length=t.length)
+
+    def rows_proto(self, name: str, *, start: int, num_rows: int, total_rows: int) -> onnx.TensorProto:
+        """`{name}.rows{start}`: rows [start, start + num_rows) of a tensor that is total_rows rows in C order (its
+        first axis, or a flat one), over the same bytes of the file."""
+        t = self._tensors[name]
+        row_bytes, rest = t.length // total_rows, t.shape[1:] if len(t.shape) > 1 else ()
+        shape = (num_rows, *rest) if rest else (num_rows * row_bytes // t.dtype.itemsize,)
+        return self._external(f"{name}.rows{start}", t.dtype, shape, offset=t.offset + start * row_bytes,
+                              length=num_rows * row_bytes)
+
+    def _external(self, name: str, dtype: np.dtype, shape: tuple[int, ...], *, offset: int,
+                  length: int) -> onnx.TensorProto:
         tensor = onnx.TensorProto()
-        tensor.name = t.name
-        tensor.data_type = helper.np_dtype_to_tensor_dtype(t.dtype)
-        tensor.dims.extend(t.shape)
+        tensor.name = name
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(dtype)
+        tensor.dims.extend(shape)
         tensor.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", self.path.name), ("offset", str(t.offset)), ("length", str(t.length))):
+        for key, value in (("location", self.path.name), ("offset", str(offset)), ("length", str(length))):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
         return tensor

@@ -28,7 +28,7 @@ from .attention import RopeTables, grouped_bias
 from .attention import attention as windows_attention
 from .gqa import attention as gqa_attention
 from .linear_parts import FLOAT_BITS, MatMulPart
-from .linears import OFFSET_BLOCK, LinearPlan
+from .linears import OFFSET_BLOCK, LinearPlan, node_weights
 from .options import CpuAttention, CpuOptions, WeightBits
 from .quant import block_sum_matrix, correction_rows
 from .rope import PositionRope
@@ -108,11 +108,25 @@ class CpuLlamaGraph(LlamaGraph):
                         ggml_type=part.ggml_type, N=part.n, K=k, **grouping)
         if part.bits == FLOAT_BITS:  # x [.., K] . W [N, K]^T, read in place
             return g.op("FusedMatMul", x, g.weight(f"{part.weight}.w"), domain=MS_DOMAIN, transB=1, alpha=1.0)
-        inputs = [g.weight(f"{part.weight}.q"), g.weight(f"{part.weight}.scales")]
-        if part.zero_points:
-            inputs.append(g.weight(f"{part.weight}.zp"))
-        return g.op("MatMulNBits", x, *inputs, domain=MS_DOMAIN, K=k, N=part.n, bits=part.bits,
-                    block_size=part.block, accuracy_level=self.options.accuracy_level)
+        if not part.node_rows:
+            return self._matmul_rows(x, part, [g.weight(name) for name in node_weights(part)], k=k, n=part.n)
+        outs, start = [], 0
+        for rows in part.node_rows:  # row ranges of one stored weight (linears.node_rows), outputs side by side
+            inputs = [self._rows_alias(name, start=start, num_rows=rows, total_rows=part.n)
+                      for name in node_weights(part)]
+            outs.append(self._matmul_rows(x, part, inputs, k=k, n=rows))
+            start += rows
+        return g.op("Concat", *outs, axis=-1)
+
+    def _matmul_rows(self, x: str, part: MatMulPart, inputs: list[str], *, k: int, n: int) -> str:
+        return self.g.op("MatMulNBits", x, *inputs, domain=MS_DOMAIN, K=k, N=n, bits=part.bits, block_size=part.block,
+                         accuracy_level=self.options.accuracy_level)
+
+    def _rows_alias(self, stored: str, *, start: int, num_rows: int, total_rows: int) -> str:
+        """Rows [start, start + num_rows) of a stored weight, over its bytes in the weight file (no copy)."""
+        proto = self._writer.rows_proto(stored, start=start, num_rows=num_rows, total_rows=total_rows)
+        self.g.initializers.setdefault(proto.name, proto)
+        return proto.name
 
     def linear(self, x: str, weight: str) -> str:
         """x [.., K] @ W: one MatMulNBits per part (linears.py), their outputs concatenated, plus the source

@@ -39,6 +39,7 @@ class MatMulPart:
     symmetric: bool  # a float weight rounded symmetrically (no .zp)
     ggml_type: int | None = None  # GgufMatMul over `{weight}.gguf` [N, row bytes], the source's own blocks
     row_group: int = 0  # those blocks stored by groups of rows (group_rows), or 0: in the file's order
+    node_rows: tuple[int, ...] = ()  # MatMulNBits: the rows of each node it runs as (linears.node_rows); (): one
 
 
 def pack_levels(levels: np.ndarray, *, bits: int, block: int) -> np.ndarray:

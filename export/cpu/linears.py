@@ -19,17 +19,19 @@ stored as they are in the file and one GgufMatMul (runtime/kernels) reads them, 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 
 import numpy as np
 
 from staticlm.export.sources.gguf_grids import FloatWeight, WeightGrid
-from staticlm.export.weight_file import WeightFileWriter
+from staticlm.export.weight_file import ALIGNMENT, WeightFileWriter
 from staticlm.runtime.kernels import GROUPED_TYPES, ROW_GROUP
 
 from .linear_parts import (
+    FLOAT_BITS,
     MatMulPart,
     write_block_part,
     write_float_part,
@@ -46,6 +48,11 @@ OFFSET_BLOCK = 32  # every type with minima has 32-input blocks
 # its rows for the embedding's gather, its packed form for the head). Q4_0 keeps MatMulNBits, whose form is its
 # blocks' size.
 BLOCK_TYPES = frozenset({"Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+# ORT packs each MatMulNBits weight anew whenever a session opens, and only then finds that blob in the prepacked
+# store (runtime/session/prepacked.py) and frees its own: a node's packed form is memory held at once while a family
+# opens (a 150k-row 8-bit tied head packs to 350 MB). A weight with more levels bytes than this runs as several nodes
+# over row ranges of the same stored bytes (graph.py), their outputs concatenated: the same columns, computed alike.
+MAX_NODE_WEIGHT_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ def write_linear(writer: WeightFileWriter, name: str, sources: list[Source], opt
     for j, members in enumerate(groups):
         weight = name if len(groups) == 1 else f"{name}.{j}"
         part, rows, with_offsets, k = _write_node(writer, weight, members, options, head=head, linear=name)
-        parts.append(part)
+        parts.append(replace(part, node_rows=node_rows(writer, part)))
         ns += rows
         offset_grids += with_offsets
     offsets = grid_offsets(offset_grids, ns=ns, k=k)
@@ -104,6 +111,28 @@ def _write_node(writer: WeightFileWriter, weight: str, members: list[Source], op
                                accuracy_level=options.accuracy_level)
         return write_folded_grid_part(writer, weight, grid, quant), rows, [None] * len(grids), k
     return write_grid_part(writer, weight, grid), rows, grids, k
+
+
+def node_rows(writer: WeightFileWriter, part: MatMulPart) -> tuple[int, ...]:
+    """The rows of each MatMulNBits node a part runs as: the most rows within MAX_NODE_WEIGHT_BYTES of levels that
+    start each range on an ALIGNMENT boundary of every tensor it slices (so each range is mapped in place), the last
+    range the rest; () for one node."""
+    if part.ggml_type is not None or part.bits == FLOAT_BITS:
+        return ()
+    lengths = [writer.tensor_bytes(name) for name in node_weights(part)]
+    if any(length % part.n for length in lengths):
+        return ()
+    row_bytes = [length // part.n for length in lengths]
+    step = math.lcm(*(ALIGNMENT // math.gcd(ALIGNMENT, b) for b in row_bytes))  # rows a range starts at a multiple of
+    rows = max(step, MAX_NODE_WEIGHT_BYTES // row_bytes[0] // step * step)
+    if rows >= part.n:
+        return ()
+    return tuple(min(rows, part.n - start) for start in range(0, part.n, rows))
+
+
+def node_weights(part: MatMulPart) -> list[str]:
+    """A MatMulNBits part's stored tensors, in the node's input order: levels, scales (and zero points)."""
+    return [f"{part.weight}.{s}" for s in (("q", "scales", "zp") if part.zero_points else ("q", "scales"))]
 
 
 def _float_quantizer(options: CpuOptions, *, head: bool) -> BlockQuantizer:
