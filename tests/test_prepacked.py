@@ -248,3 +248,38 @@ def test_a_store_that_hard_linked_the_weights_is_rebuilt(families, tmp_path):
     np.testing.assert_array_equal(again, first)
     assert os.stat(family / "weights.bin").st_nlink == 1 and not list(store.glob("*.onnx"))
     assert packed_bytes(store) == size  # its blobs were there already
+
+
+def test_a_table_gathered_by_rows_maps_a_page_a_row(tmp_path):
+    import mmap
+
+    from staticlm.runtime.session.read_once import map_tables_by_rows
+
+    page, row_bytes = mmap.PAGESIZE, 1536
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(1).integers(0, 255, 1024 * page, dtype=np.uint8)
+    path.write_bytes(data.tobytes())  # just written: the page cache's folios are as large as the kernel makes them
+    with open(path, "rb") as f:
+        table = mmap.mmap(f.fileno(), 1024 * page, access=mmap.ACCESS_COPY)  # private, as ORT maps a tensor
+    assert map_tables_by_rows(tmp_path, {"weights.bin": [(0, 1024 * page)]}) == 1024 * page
+    rows = np.random.default_rng(2).choice(1024 * page // row_bytes, 40, replace=False)
+    got = [table[r * row_bytes:(r + 1) * row_bytes] for r in rows]  # 40 rows, gathered as an embedding does
+    assert got == [data[r * row_bytes:(r + 1) * row_bytes].tobytes() for r in rows]  # the file's bytes
+    assert _resident(path) <= 2 * 40 * page  # each row's own one or two pages, not the folios around them
+
+
+def test_the_tables_mapped_by_rows_are_the_gathers_that_nothing_reads_whole(families):
+    from staticlm.runtime.session.read_once import table_ranges
+
+    Engine(families["gqa"], options=CPU).warm_up()
+    source = families["gqa"] / "in_place.onnx"
+    graph = prepared_path(source, _store(families["gqa"]))
+    model = onnx.load(str(graph), load_external_data=False)
+    external = _external(model)
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    want = {(external[name]["location"], int(external[name].get("offset", 0)), int(external[name]["length"]))
+            for name in gather.input if name in external}
+    assert len(want) >= 2  # the tied table, its scales (and zero points, when the head has them)
+    assert {(name, *span) for name, spans in table_ranges(graph).items() for span in spans} == want
+    # in the exported graph the tied head's MatMulNBits reads the same bytes whole, every step: left as they are
+    assert table_ranges(source) == {}

@@ -17,7 +17,7 @@ from staticlm.runtime import kernels
 from staticlm.runtime.family.manifest import Manifest, read_manifest
 from staticlm.runtime.session import qnn_context
 from staticlm.runtime.session.prepacked import prepared_graph
-from staticlm.runtime.session.read_once import drop_read_once, read_once_ranges
+from staticlm.runtime.session.read_once import drop_read_once, map_tables_by_rows, read_once_ranges, table_ranges
 
 QNN_EP = "QNNExecutionProvider"
 # SM8650 (Snapdragon 8 Gen 3); the x86_64 HTP emulator needs an explicit SoC to finalize graphs.
@@ -309,4 +309,5 @@ def create_session(model_path: Path, *, device: Device, options: DeviceOptions,
         raise DeviceError(f"ONNX Runtime could not load {path.name}: {str(e).splitlines()[0][:300]}") from None
     if packed is not None:  # the scales its packed blobs now hold: read while opening, not after
         drop_read_once(path.parent, read_once_ranges(path))
+        map_tables_by_rows(path.parent, table_ranges(path))
     return session

@@ -1,4 +1,5 @@
-"""Give back the pages of the weights a session reads only while it opens.
+"""Advise the pages of the weights a session maps, once it is open: give back those it read only while opening, and
+map a token table by rows.
 
 A MatMulNBits weight loaded from the prepacked store (prepacked.py) is its packed blob; its scales and zero points
 stay inputs of the node, and ORT reads them while the session opens (the kernel copies them into its packed
@@ -8,23 +9,31 @@ copy of bytes the blob holds. Once the session is open, those pages are dropped 
 kernel that does read them again faults them back from the page cache (the figures then show it), never different
 bytes.
 
-Only clean windows are dropped: a window with a page written (private copy) is left alone, since dropping it would
+An embedding's gather reads a row of its table (and the row's scales and zero points) per token. The kernel maps a
+file's pages around a fault in whole page-cache folios, which readahead and writing make large: each 1.5 KB row
+would map tens to hundreds of KB of the table, most of it after a long prompt. So the table's windows are advised
+MADV_RANDOM (a fault reads and maps its own page) and the page cache's copy of the table is dropped where no process
+maps it (POSIX_FADV_DONTNEED), so it is read back a page at a time, as the rows are gathered.
+
+Only clean windows are advised: a window with a page written (private copy) is left alone, since dropping it would
 give back the file's bytes instead of the written ones.
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import re
 from functools import cache
 from pathlib import Path
 
 import onnx
 
-MADV_DONTNEED = 4
+MADV_RANDOM, MADV_DONTNEED = 1, 4
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) ([0-9a-f]+) \S+ \S+\s+(\S.*)$")
 _READ_ONCE_INPUTS = {"MatMulNBits": (2, 3)}  # scales, zero points: packed with B when B is packed
 _BY_ROWS = {"GatherBlockQuantized"}  # reads the rows it gathers, when it gathers them (a tied head's scales)
+_TABLE_INPUTS = {"GatherBlockQuantized": (0, 2, 3), "GgufGather": (0,)}  # a token table, its scales and zero points
 
 
 @cache
@@ -59,6 +68,65 @@ def drop_read_once(directory: Path, ranges: dict[str, list[tuple[int, int]]]) ->
     advised = 0
     if not Path("/proc/self/smaps").exists():  # no per-mapping view of this process (not Linux): keep the pages
         return 0
+    for address, length in _window_pages(names):
+        _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_DONTNEED)
+        advised += length
+    return advised
+
+
+@cache
+def table_ranges(graph: Path) -> dict[str, list[tuple[int, int]]]:
+    """file (as graph's external data names it) -> (offset, length) of each external tensor of graph that an
+    embedding gathers rows from (a token table, its scales and zero points) and no other node reads after the session
+    opens (a tied head that reads the table whole every step keeps it as it is)."""
+    model = onnx.load(str(graph), load_external_data=False)
+    external = {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL}
+    opening_only = read_once_ranges(graph)
+    tables: set[tuple[str, int, int]] = set()
+    read_whole: set[tuple[str, int, int]] = set()
+    for node in model.graph.node:
+        rows = _TABLE_INPUTS.get(node.op_type, ())
+        for i, name in enumerate(node.input):
+            if name in external:
+                entries = external[name]
+                span = (entries["location"], int(entries.get("offset", 0)), int(entries["length"]))
+                if i in rows:
+                    tables.add(span)
+                elif span[1:] not in opening_only.get(span[0], []):
+                    read_whole.add(span)
+    out: dict[str, list[tuple[int, int]]] = {}
+    for location, offset, length in sorted(tables):
+        if not any(f == location and o < offset + length and offset < o + n for f, o, n in read_whole):
+            out.setdefault(location, []).append((offset, length))
+    return out
+
+
+def map_tables_by_rows(directory: Path, ranges: dict[str, list[tuple[int, int]]]) -> int:
+    """Advise this process's clean private mappings of the tables in ranges MADV_RANDOM (their pages dropped first,
+    so none stays mapped from a large folio), and drop the page cache's copy of those bytes that no process maps;
+    returns the bytes advised."""
+    if not Path("/proc/self/smaps").exists():  # not Linux: no per-mapping view, and no folio mapped whole
+        return 0
+    names = {str(Path(directory).resolve() / name): spans for name, spans in ranges.items()}
+    advised = 0
+    for address, length in list(_window_pages(names)):  # read whole first: MADV_RANDOM splits the mappings
+        _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_DONTNEED)
+        _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_RANDOM)
+        advised += length
+    for name, spans in names.items():
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # a page still to be written back is not dropped (a file just exported)
+            for offset, length in spans:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return advised
+
+
+def _window_pages(names: dict[str, list[tuple[int, int]]]):
+    """(address, length) of the whole pages inside each span of each clean private mapping of one of names."""
     for start, end, offset, spans in _clean_windows(names):
         for lo, length in spans:
             first = max(lo, offset)
@@ -66,9 +134,7 @@ def drop_read_once(directory: Path, ranges: dict[str, list[tuple[int, int]]]) ->
             first = -(-first // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
             last = last // mmap.PAGESIZE * mmap.PAGESIZE
             if last > first:
-                _libc().madvise(ctypes.c_void_p(start + first - offset), ctypes.c_size_t(last - first), MADV_DONTNEED)
-                advised += last - first
-    return advised
+                yield start + first - offset, last - first
 
 
 def _clean_windows(names: dict[str, list[tuple[int, int]]]):
