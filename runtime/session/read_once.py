@@ -115,14 +115,25 @@ def map_tables_by_rows(directory: Path, ranges: dict[str, list[tuple[int, int]]]
         _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_RANDOM)
         advised += length
     for name, spans in names.items():
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)  # a page still to be written back is not dropped (a file just exported)
-            for offset, length in spans:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        _drop_cached(name, spans)
     return advised
+
+
+def _drop_cached(path: str, spans: list[tuple[int, int]]) -> None:
+    """Drop the page cache's pages of spans of path that no process maps. Advice only: a file system that cannot
+    sync or drop (read-only media, a network mount) keeps its pages, and the table its larger mappings."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fdatasync(fd)  # a page still to be written back is not dropped (a file just exported)
+        for offset, length in spans:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _window_pages(names: dict[str, list[tuple[int, int]]]):
