@@ -32,8 +32,9 @@ import onnx
 MADV_RANDOM, MADV_DONTNEED = 1, 4
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) ([0-9a-f]+) \S+ \S+\s+(\S.*)$")
 _READ_ONCE_INPUTS = {"MatMulNBits": (2, 3)}  # scales, zero points: packed with B when B is packed
-_BY_ROWS = {"GatherBlockQuantized"}  # reads the rows it gathers, when it gathers them (a tied head's scales)
-_TABLE_INPUTS = {"GatherBlockQuantized": (0, 2, 3), "GgufGather": (0,)}  # a token table, its scales and zero points
+# a gather's token table, its scales and zero points: read a row at a time, when the row is gathered (so never read
+# once, even where they are a packed tied head's scales too)
+_TABLE_INPUTS = {"GatherBlockQuantized": (0, 2, 3), "GgufGather": (0,)}
 
 
 @cache
@@ -50,7 +51,7 @@ def read_once_ranges(graph: Path) -> dict[str, list[tuple[int, int]]]:
         slots = _READ_ONCE_INPUTS.get(node.op_type, ())
         b_packed = node.op_type in _READ_ONCE_INPUTS and len(node.input) > 1 and node.input[1] in packed
         for i, name in enumerate(node.input):
-            if name in external and node.op_type not in _BY_ROWS:
+            if name in external and node.op_type not in _TABLE_INPUTS:
                 read_once[name] = read_once.get(name, True) and b_packed and i in slots
     out: dict[str, list[tuple[int, int]]] = {}
     for name, once in read_once.items():
