@@ -38,27 +38,38 @@ _TABLE_INPUTS = {"GatherBlockQuantized": (0, 2, 3), "GgufGather": (0,)}
 
 
 @cache
+def _external_reads(graph: Path) -> tuple[list[tuple[str, tuple[str, ...]]], dict[str, tuple[str, int, int]],
+                                          frozenset[str]]:
+    """graph loaded once for both advices: (op type, inputs) of each node, (file, offset, length) of each tensor
+    stored outside the graph, and which of those are prepacked blobs."""
+    model = onnx.load(str(graph), load_external_data=False)
+    external = {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL}
+    spans = {name: (entries["location"], int(entries.get("offset", 0)), int(entries["length"]))
+             for name, entries in external.items()}
+    packed = frozenset(name for name, entries in external.items() if any(k.startswith("prepacked") for k in entries))
+    reads = [(node.op_type, tuple(node.input)) for node in model.graph.node if any(n in spans for n in node.input)]
+    return reads, spans, packed
+
+
+@cache
 def read_once_ranges(graph: Path) -> dict[str, list[tuple[int, int]]]:
     """file (as graph's external data names it, from graph's directory) -> (offset, length) of each external
     tensor of graph (a prepared graph of the store) that packed MatMulNBits nodes read as scales or zero points, and
     nothing else reads but a gather of rows."""
-    model = onnx.load(str(graph), load_external_data=False)
-    external = {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
-                if t.data_location == onnx.TensorProto.EXTERNAL}
-    packed = {name for name, entries in external.items() if any(k.startswith("prepacked") for k in entries)}
+    reads, spans, packed = _external_reads(graph)
     read_once: dict[str, bool] = {}
-    for node in model.graph.node:
-        slots = _READ_ONCE_INPUTS.get(node.op_type, ())
-        b_packed = node.op_type in _READ_ONCE_INPUTS and len(node.input) > 1 and node.input[1] in packed
-        for i, name in enumerate(node.input):
-            if name in external and node.op_type not in _TABLE_INPUTS:
+    for op_type, inputs in reads:
+        slots = _READ_ONCE_INPUTS.get(op_type, ())
+        b_packed = bool(slots) and len(inputs) > 1 and inputs[1] in packed
+        for i, name in enumerate(inputs):
+            if name in spans and op_type not in _TABLE_INPUTS:
                 read_once[name] = read_once.get(name, True) and b_packed and i in slots
     out: dict[str, list[tuple[int, int]]] = {}
     for name, once in read_once.items():
         if once and name not in packed:
-            entries = external[name]
-            out.setdefault(entries["location"], []).append(
-                (int(entries.get("offset", 0)), int(entries["length"])))
+            location, offset, length = spans[name]
+            out.setdefault(location, []).append((offset, length))
     return out
 
 
@@ -80,18 +91,15 @@ def table_ranges(graph: Path) -> dict[str, list[tuple[int, int]]]:
     """file (as graph's external data names it) -> (offset, length) of each external tensor of graph that an
     embedding gathers rows from (a token table, its scales and zero points) and no other node reads after the session
     opens (a tied head that reads the table whole every step keeps it as it is)."""
-    model = onnx.load(str(graph), load_external_data=False)
-    external = {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
-                if t.data_location == onnx.TensorProto.EXTERNAL}
+    reads, spans, _ = _external_reads(graph)
     opening_only = read_once_ranges(graph)
     tables: set[tuple[str, int, int]] = set()
     read_whole: set[tuple[str, int, int]] = set()
-    for node in model.graph.node:
-        rows = _TABLE_INPUTS.get(node.op_type, ())
-        for i, name in enumerate(node.input):
-            if name in external:
-                entries = external[name]
-                span = (entries["location"], int(entries.get("offset", 0)), int(entries["length"]))
+    for op_type, inputs in reads:
+        rows = _TABLE_INPUTS.get(op_type, ())
+        for i, name in enumerate(inputs):
+            if name in spans:
+                span = spans[name]
                 if i in rows:
                     tables.add(span)
                 elif span[1:] not in opening_only.get(span[0], []):
