@@ -22,7 +22,7 @@ MAGIC = "staticlm-family"
 # beyond ONNX Runtime's that the graphs use (staticlm's GGUF kernels); 7: `exact_attention`, `rows_alone` and
 # `generation_defaults`; 8: a cpu family's in-place graphs compute RoPE from two small tables by the angle-sum
 # identity, as the host computes the rows it feeds other graphs (runtime/engine/rope.py); older ones load as before,
-# but an older in-place cpu family (IN_PLACE_ROPE_VERSION)
+# but an older in-place cpu family is refused (IN_PLACE_ROPE_VERSION)
 FORMAT_VERSION = 8
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)  # older families are still valid as written
 # Before it, a cpu family's in-place graphs read RoPE from a stored table of every position, whose rows differ in
